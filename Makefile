@@ -1,0 +1,51 @@
+# zero-offload: every target installs what it needs on first use (.venv, pinned).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+LAB_DIR ?= labs
+# Two workers: the machine the course targets has two cores.
+PYTEST_WORKERS ?= 2
+
+.PHONY: install test demo labs lessons jupyter bench lint gpu-check clean \
+        lab1 lab2 lab3 lab4 lab5
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "zero-offload needs Python 3.10 or newer (3.11 recommended); set PYTHON=python3.11")'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) tests
+
+demo: $(STAMP)
+	$(VENV)/bin/zo demo
+
+lab1 lab2 lab3 lab4 lab5: $(STAMP)
+	$(VENV)/bin/zo grade $(subst lab,,$@) --lab-dir $(LAB_DIR)
+
+labs: $(STAMP)
+	$(PY) tools/make_labs.py
+
+lessons: $(STAMP)
+	$(PY) tools/run_lessons.py
+
+jupyter: $(STAMP)
+	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --notebook-dir=lessons
+
+bench: $(STAMP)
+	$(VENV)/bin/zo bench
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests tools
+	$(VENV)/bin/ruff format --check src tests tools
+
+gpu-check: $(STAMP)
+	$(PY) tools/gpu_check.py
+
+clean:
+	rm -rf out .pytest_cache

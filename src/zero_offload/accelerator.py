@@ -1,0 +1,367 @@
+"""One interface for device work: a real CUDA GPU, or an emulated device on the CPU.
+
+Every device operation of the engine goes through an `Accelerator`: allocating device buffers, host buffers
+(pinned when CUDA exists), streams and events, and memory statistics. The emulated device lets a laptop run the
+same code as a GPU server: its "device" tensors live in host memory, but every byte placed on the device is charged
+to a budget, and going over it raises an out-of-memory error that reads like CUDA's.
+
+Choosing: CUDA when it is available, unless `ZO_DEVICE=cpu`; `ZO_DEVICE=cuda` insists on CUDA.
+Budget: the config's `"zero_offload": {"device_memory": "512MB"}`, else `ZO_DEVICE_MEMORY`, else unlimited.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from .units import format_bytes, parse_bytes
+
+# What to change when a category of device memory runs out. The engine names the category it allocates,
+# so the error can point at the one setting that helps.
+OFFLOAD_HINTS = {
+    "parameters": 'shard and offload the parameters: "zero_optimization": {"stage": 3, '
+    '"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}',
+    "gradients": 'partition the gradients and move them off the device: "zero_optimization": '
+    '{"stage": 2, "offload_optimizer": {"device": "cpu"}}',
+    "master_weights": 'keep the fp32 master weights and Adam moments on the host: "zero_optimization": '
+    '{"stage": 2, "offload_optimizer": {"device": "cpu"}}',
+    "optimizer_states": 'keep the fp32 master weights and Adam moments on the host: "zero_optimization": '
+    '{"stage": 2, "offload_optimizer": {"device": "cpu"}}',
+    "activations": 'lower "train_micro_batch_size_per_gpu" (raise "gradient_accumulation_steps" to keep the '
+    'global batch), or recompute activations with "activation_checkpointing"',
+}
+CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_states", "buckets", "activations", "other")
+
+
+class DeviceOutOfMemoryError(torch.OutOfMemoryError):
+    """The emulated device's budget is exhausted; a subclass of torch's OOM so handlers catch both."""
+
+
+@dataclass
+class MemoryStats:
+    """Device bytes in use now and at the peak, against the capacity (None = unlimited)."""
+
+    in_use: int
+    peak: int
+    capacity: int | None
+    by_category: dict[str, int] = field(default_factory=dict)
+
+
+class Event:
+    """Completion of work submitted to a stream: `wait()` blocks the host until it is done."""
+
+    def __init__(self, future: Future | None = None, cuda_event: torch.cuda.Event | None = None):
+        self._future, self._cuda_event = future, cuda_event
+
+    def wait(self) -> None:
+        if self._cuda_event is not None:
+            self._cuda_event.synchronize()
+        elif self._future is not None:
+            self._future.result()  # re-raises an exception from the stream's worker
+
+    def done(self) -> bool:
+        if self._cuda_event is not None:
+            return self._cuda_event.query()
+        return self._future is None or self._future.done()
+
+
+class _WorkerStream:
+    """The emulated device's stream: one worker thread that runs its queue in order.
+
+    Torch kernels release the GIL, so a copy on one stream really overlaps compute on another.
+    """
+
+    def __init__(self, name: str):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._waits: list[Event] = []
+
+    def wait_event(self, event: Event) -> None:
+        """Work submitted after this call starts only once `event` has completed."""
+        self._waits.append(event)
+
+    def submit(self, fn, *args, **kwargs) -> Event:
+        waits, self._waits = self._waits, []
+
+        def run():
+            for event in waits:
+                event.wait()
+            return fn(*args, **kwargs)
+
+        return Event(future=self._pool.submit(run))
+
+    def synchronize(self) -> None:
+        self.submit(lambda: None).wait()
+
+
+class _CudaStream:
+    """A CUDA stream: `submit` enqueues the kernels of `fn` on it and records an event after them."""
+
+    def __init__(self, device: torch.device):
+        self._stream = torch.cuda.Stream(device=device)
+
+    def wait_event(self, event: Event) -> None:
+        if event._cuda_event is not None:
+            self._stream.wait_event(event._cuda_event)
+        else:
+            event.wait()
+
+    def submit(self, fn, *args, **kwargs) -> Event:
+        with torch.cuda.stream(self._stream):
+            fn(*args, **kwargs)
+            cuda_event = torch.cuda.Event()
+            cuda_event.record(self._stream)
+        return Event(cuda_event=cuda_event)
+
+    def synchronize(self) -> None:
+        self._stream.synchronize()
+
+
+class Accelerator:
+    """Base class: what the engine may ask of a device. Subclasses: `CudaAccelerator`, `EmulatedAccelerator`."""
+
+    name = "abstract"
+    device: torch.device
+
+    def empty(self, shape, dtype: torch.dtype, *, category: str = "other") -> torch.Tensor:
+        raise NotImplementedError
+
+    def zeros(self, shape, dtype: torch.dtype, *, category: str = "other") -> torch.Tensor:
+        return self.empty(shape, dtype, category=category).zero_()
+
+    def host_empty(self, shape, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def is_on_device(self, tensor: torch.Tensor) -> bool:
+        raise NotImplementedError
+
+    def compute_dtype(self, storage_dtype: torch.dtype) -> torch.dtype:
+        return storage_dtype
+
+    def new_stream(self, name: str = "zo-stream"):
+        raise NotImplementedError
+
+    def memory_stats(self) -> MemoryStats:
+        raise NotImplementedError
+
+    def reset_peak(self) -> None:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        pass
+
+    def activations(self, storage_dtype: torch.dtype = torch.float32):
+        """Context manager under which tensors saved for backward are charged to the device."""
+        return contextlib.nullcontext()
+
+    def mark_compute_copy(self, tensor: torch.Tensor) -> None:
+        """Declare `tensor` an artefact of computing in another precision, not real device memory."""
+
+
+class EmulatedAccelerator(Accelerator):
+    """A device that lives in host memory but keeps the books of a GPU with `capacity` bytes."""
+
+    name = "emulated"
+
+    def __init__(self, capacity: int | None = None):
+        self.device = torch.device("cpu")
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._by_storage: dict[int, tuple[int, str]] = {}  # storage data_ptr -> (bytes, category)
+        self._by_category = dict.fromkeys(CATEGORIES, 0)
+        self._in_use = self._peak = 0
+        self._compute_copies: set[int] = set()
+
+    # -- the budget -------------------------------------------------------------------------------------------
+    def _charge(self, nbytes: int, category: str) -> None:
+        with self._lock:
+            if self.capacity is not None and self._in_use + nbytes > self.capacity:
+                raise DeviceOutOfMemoryError(self._oom_message(nbytes, category))
+            self._in_use += nbytes
+            self._by_category[category] += nbytes
+            self._peak = max(self._peak, self._in_use)
+
+    def _release(self, nbytes: int, category: str) -> None:
+        with self._lock:
+            self._in_use -= nbytes
+            self._by_category[category] -= nbytes
+
+    def _oom_message(self, nbytes: int, category: str) -> str:
+        held = ", ".join(f"{c} {format_bytes(b)}" for c, b in self._by_category.items() if b)
+        hint = OFFLOAD_HINTS.get(category, "offload model states to the host (see zero_optimization)")
+        return (
+            f"Emulated device out of memory. Tried to allocate {format_bytes(nbytes)} for {category}. "
+            f"Budget {format_bytes(self.capacity)}; {format_bytes(self._in_use)} already in use "
+            f"({held or 'nothing'}); peak {format_bytes(self._peak)}. "
+            f"Hint: {hint}. Or raise the budget: ZO_DEVICE_MEMORY / \"zero_offload\": {{\"device_memory\": ...}}."
+        )
+
+    def _track(self, tensor: torch.Tensor, nbytes: int, category: str) -> None:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        self._by_storage[key] = (nbytes, category)
+        # Storage objects are unique per allocation, so the charge goes back exactly when the memory does,
+        # however many views (p.data, p.grad) still point into it until then.
+        weakref.finalize(storage, self._untrack, key, nbytes, category)
+
+    def _untrack(self, key: int, nbytes: int, category: str) -> None:
+        self._by_storage.pop(key, None)
+        self._release(nbytes, category)
+
+    # -- the interface ----------------------------------------------------------------------------------------
+    def empty(self, shape, dtype: torch.dtype, *, category: str = "other") -> torch.Tensor:
+        if category not in self._by_category:
+            raise ValueError(f"unknown memory category {category!r}; use one of {', '.join(CATEGORIES)}")
+        shape = torch.Size([shape]) if isinstance(shape, int) else torch.Size(shape)
+        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        self._charge(nbytes, category)
+        try:
+            tensor = torch.empty(shape, dtype=dtype)
+        except BaseException:
+            self._release(nbytes, category)
+            raise
+        self._track(tensor, nbytes, category)
+        return tensor
+
+    def is_on_device(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self._by_storage
+
+    def compute_dtype(self, storage_dtype: torch.dtype) -> torch.dtype:
+        # Low-precision matmul has no fast path on CPUs without AVX-512 (fp16 14 GFLOP/s vs fp32 83 here), so
+        # the emulated device stores fp16/bf16 but computes in fp32.
+        return torch.float32
+
+    def new_stream(self, name: str = "zo-stream") -> _WorkerStream:
+        return _WorkerStream(name)
+
+    def memory_stats(self) -> MemoryStats:
+        with self._lock:
+            return MemoryStats(self._in_use, self._peak, self.capacity, dict(self._by_category))
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self._peak = self._in_use
+
+    def mark_compute_copy(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        self._compute_copies.add(key)
+        weakref.finalize(storage, self._compute_copies.discard, key)
+
+    def activations(self, storage_dtype: torch.dtype = torch.float32):
+        return _ChargeSavedTensors(self, storage_dtype)
+
+
+class _ChargeSavedTensors(torch.autograd.graph.saved_tensors_hooks):
+    """Charge what autograd saves for backward, as the device would hold it, until backward frees it.
+
+    A fp32 activation is charged at the storage precision (2 bytes in an fp16 run): a GPU computing in fp16
+    would hold it in fp16; the emulated device computes in fp32 only because the CPU is slow at fp16.
+    Parameters, gradients and the fp32 compute copies of the weights are not charged again.
+    """
+
+    def __init__(self, accel: EmulatedAccelerator, storage_dtype: torch.dtype):
+        self.accel = accel
+        self.shrink = storage_dtype.itemsize / 4 if storage_dtype != torch.float32 else 1.0
+        self.live: dict[int, list] = {}  # storage data_ptr -> [handle count, bytes charged]
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor):
+        key = tensor.untyped_storage().data_ptr()
+        if key in self.accel._by_storage or key in self.accel._compute_copies:
+            return tensor
+        if key not in self.live:
+            nbytes = tensor.untyped_storage().nbytes()
+            if tensor.dtype == torch.float32:
+                nbytes = int(nbytes * self.shrink)
+            self.accel._charge(nbytes, "activations")
+            self.live[key] = [0, nbytes]
+        self.live[key][0] += 1
+        return _SavedHandle(self, key, tensor)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _SavedHandle) else packed
+
+    def _drop(self, key: int) -> None:
+        entry = self.live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self.live[key]
+            self.accel._release(entry[1], "activations")
+
+
+class _SavedHandle:
+    """What autograd keeps for one saved tensor; its death is when the device would free the activation."""
+
+    __slots__ = ("owner", "key", "tensor")
+
+    def __init__(self, owner: _ChargeSavedTensors, key: int, tensor: torch.Tensor):
+        self.owner, self.key, self.tensor = owner, key, tensor
+
+    def __del__(self):
+        self.owner._drop(self.key)
+
+
+class CudaAccelerator(Accelerator):
+    """A real GPU: device tensors, pinned host buffers, CUDA streams and events, torch.cuda statistics."""
+
+    name = "cuda"
+
+    def __init__(self, capacity: int | None = None, index: int | None = None):
+        index = torch.cuda.current_device() if index is None else index
+        self.device = torch.device("cuda", index)
+        self.capacity = capacity
+        if capacity is not None:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, capacity / total), self.device)
+
+    def empty(self, shape, dtype: torch.dtype, *, category: str = "other") -> torch.Tensor:
+        try:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        except torch.OutOfMemoryError as err:
+            hint = OFFLOAD_HINTS.get(category, "offload model states to the host (see zero_optimization)")
+            raise torch.OutOfMemoryError(f"{err}\nWhile allocating {category}. Hint: {hint}.") from None
+
+    def host_empty(self, shape, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+    def is_on_device(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda
+
+    def new_stream(self, name: str = "zo-stream") -> _CudaStream:
+        return _CudaStream(self.device)
+
+    def memory_stats(self) -> MemoryStats:
+        return MemoryStats(
+            torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device), self.capacity
+        )
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def get_accelerator(device_memory: int | str | None = None) -> Accelerator:
+    """The accelerator for this process: CUDA if present (or `ZO_DEVICE=cuda`), else the emulated device."""
+    choice = os.environ.get("ZO_DEVICE", "").strip().lower()
+    if choice not in ("", "cuda", "cpu"):
+        raise ValueError(f"ZO_DEVICE={choice!r} is not understood; use ZO_DEVICE=cuda or ZO_DEVICE=cpu")
+    if device_memory is None and os.environ.get("ZO_DEVICE_MEMORY"):
+        try:
+            device_memory = parse_bytes(os.environ["ZO_DEVICE_MEMORY"])
+        except ValueError as err:
+            raise ValueError(f"ZO_DEVICE_MEMORY: {err}") from None
+    capacity = None if device_memory is None else parse_bytes(device_memory)
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("ZO_DEVICE=cuda but torch sees no CUDA device; unset ZO_DEVICE to use the emulated one")
+    if choice != "cpu" and torch.cuda.is_available():
+        return CudaAccelerator(capacity)
+    return EmulatedAccelerator(capacity)

@@ -1,0 +1,246 @@
+"""The engine: composes the pieces of the five modules into `forward`, `backward`, `step`.
+
+This version trains with ZeRO stage 0 on one process: mixed precision with fp32 master weights, dynamic loss
+scaling, gradient clipping and accumulation, every model state in one flat buffer on the (real or emulated)
+device. Sharding, offload and overlap arrive module by module, each as a piece the engine composes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .accelerator import Accelerator, get_accelerator
+from .basics.adam import Adam
+from .basics.memory import MemoryLedger, MemoryReport, estimate_model_states
+from .basics.precision import (
+    DynamicLossScaler,
+    MixedPrecisionStates,
+    StaticLossScaler,
+    has_overflow,
+    unique_parameters,
+)
+from .config import Config, load_config
+
+# Pieces of the config that later modules of the course implement; until then a clear error beats a silent no-op.
+_NOT_YET = {
+    "zero_optimization.stage >= 1": "ZeRO sharding arrives with module 2 (principles, zero_offload.principles)",
+    "offload": "CPU offload arrives with module 3 (implementation, zero_offload.implementation)",
+    "scheduler": "learning-rate schedulers arrive with module 3 (implementation)",
+    "simd": "the SIMD CPU Adam arrives with module 4 (tuning); use cpu_adam.impl 'torch' or 'naive'",
+    "delayed_param_update": "the delayed parameter update arrives with module 5 (practice)",
+    "activation_checkpointing": "activation checkpointing arrives with module 2 (principles)",
+}
+
+
+def _check_supported(config: Config) -> None:
+    zero = config.zero_optimization
+    problems = []
+    if zero.stage >= 1:
+        problems.append(("zero_optimization.stage", _NOT_YET["zero_optimization.stage >= 1"]))
+    if zero.offload_optimizer.enabled or zero.offload_param.enabled:
+        problems.append(("zero_optimization.offload_*", _NOT_YET["offload"]))
+    if config.scheduler.type is not None:
+        problems.append(("scheduler", _NOT_YET["scheduler"]))
+    if config.zero_offload.cpu_adam.impl == "simd":
+        problems.append(("zero_offload.cpu_adam.impl", _NOT_YET["simd"]))
+    if config.zero_offload.delayed_param_update.enabled:
+        problems.append(("zero_offload.delayed_param_update", _NOT_YET["delayed_param_update"]))
+    if config.activation_checkpointing.enabled:
+        problems.append(("activation_checkpointing", _NOT_YET["activation_checkpointing"]))
+    if problems:
+        lines = "\n".join(f"  {key}: {why}" for key, why in problems)
+        raise NotImplementedError(f"this version of zero_offload cannot run this config yet:\n{lines}")
+
+
+def build_optimizer(config: Config, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor):
+    """The Adam that updates the fp32 `param`, with its moments living in the buffers we allocated."""
+    opt, impl = config.optimizer, config.zero_offload.cpu_adam.impl
+    kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+    if impl == "naive":
+        optimizer = Adam([param], adamw=opt.adamw, **kwargs)
+    else:
+        if not opt.bias_correction:
+            raise ValueError('optimizer.params.bias_correction=false needs "zero_offload": '
+                             '{"cpu_adam": {"impl": "naive"}}; torch.optim.Adam always corrects the bias')
+        cls = torch.optim.AdamW if opt.adamw else torch.optim.Adam
+        optimizer = cls([param], fused=True, **kwargs)
+    # Filled in before the first step, so the optimizer never allocates moments of its own behind our back.
+    optimizer.state[param] = {
+        "step": torch.zeros((), dtype=torch.float32, device=param.device),
+        "exp_avg": exp_avg,
+        "exp_avg_sq": exp_avg_sq,
+    }
+    return optimizer
+
+
+class Engine:
+    """Trains `model` as the config says. Use it as `loss_fn(engine(x), y)`, `engine.backward(loss)`, `engine.step()`."""
+
+    def __init__(self, model: torch.nn.Module, config: Config, *, accelerator: Accelerator | None = None):
+        _check_supported(config)
+        self.config = config
+        self.accelerator = accelerator or get_accelerator(config.zero_offload.device_memory)
+        self.model = model
+        self.params = unique_parameters(model)
+        if not self.params:
+            raise ValueError("the model has no trainable parameters")
+        self.states = MixedPrecisionStates(self.params, self.accelerator, config.precision)
+        self.num_params = self.states.numel
+        for buf in model.buffers():  # buffers (masks, running stats) follow the model to the device
+            buf.data = buf.data.to(self.accelerator.device)
+        self.optimizer = build_optimizer(config, self.states.master, self.states.exp_avg, self.states.exp_avg_sq)
+        if config.fp16.enabled:
+            self.scaler = DynamicLossScaler.from_config(config.fp16)
+        else:
+            self.scaler = StaticLossScaler(1.0)  # bf16 and fp32 have fp32's exponent range: no scaling
+        self.ledger = MemoryLedger(self.accelerator)
+        self.ledger.record("parameters", self.states.flat_param)
+        self.ledger.record("gradients", self.states.flat_grad)
+        if self.states.master is not self.states.flat_param:
+            self.ledger.record("master_weights", self.states.master)
+        self.ledger.record("exp_avg", self.states.exp_avg)
+        self.ledger.record("exp_avg_sq", self.states.exp_avg_sq)
+        self._upcast = self.accelerator.compute_dtype(self.states.dtype) != self.states.dtype
+        if self._upcast:
+            self._install_upcast_hooks()
+        self.micro_steps = 0  # backward calls so far
+        self.global_steps = 0  # optimizer steps taken or skipped
+        self.skipped_steps = 0
+        self.history: list[dict] = []  # one entry per optimizer step: scale, overflow, gradient norm
+
+    # -- forward ---------------------------------------------------------------------------------------------------
+    def _install_upcast_hooks(self) -> None:
+        """Compute in fp32 on a device that stores fp16/bf16: each layer's weights are upcast just before use.
+
+        The fp32 copy is differentiable, so its gradient flows back into the fp16 `.grad`, exactly where a GPU
+        computing in fp16 would put it. The copies are marked as artefacts, not charged to the device.
+        """
+        accel = self.accelerator
+
+        def upcast(module, args):
+            module._zo_stored = {}
+            for name, param in module._parameters.items():
+                if param is not None and param.dtype != torch.float32:
+                    compute = param.to(torch.float32)
+                    accel.mark_compute_copy(compute)
+                    module._zo_stored[name] = param
+                    module._parameters[name] = compute
+
+        def restore(module, args, output):
+            module._parameters.update(getattr(module, "_zo_stored", {}))
+            module._zo_stored = {}
+
+        for module in self.model.modules():
+            if any(p is not None for p in module._parameters.values()):
+                module.register_forward_pre_hook(upcast)
+                module.register_forward_hook(restore, always_call=True)
+
+    def _to_device(self, value):
+        if isinstance(value, torch.Tensor):
+            value = value.to(self.accelerator.device)
+            if value.is_floating_point():
+                value = value.to(self.accelerator.compute_dtype(self.states.dtype))
+            return value
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._to_device(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._to_device(v) for k, v in value.items()}
+        return value
+
+    def __call__(self, *args, **kwargs):
+        args, kwargs = self._to_device(args), self._to_device(kwargs)
+        with self.accelerator.activations(self.states.dtype):
+            return self.model(*args, **kwargs)
+
+    forward = __call__
+
+    # -- backward and step -----------------------------------------------------------------------------------------
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.micro_steps % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Scale the loss (loss scale / accumulation steps) and accumulate gradients into the flat buffer."""
+        if loss.dim() != 0:
+            raise ValueError(f"backward needs a scalar loss, got shape {tuple(loss.shape)}; reduce it first (mean)")
+        self._reattach_grads()
+        (loss.float() * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
+        self.micro_steps += 1
+
+    def _reattach_grads(self) -> None:
+        # model.zero_grad() sets .grad to None; the flat buffer stays the home of every gradient.
+        offset = 0
+        for param in self.params:
+            n = param.numel()
+            if param.grad is None:
+                param.grad = self.states.flat_grad[offset : offset + n].view_as(param)
+            offset += n
+
+    def step(self) -> None:
+        """At an accumulation boundary: unscale, check overflow, clip, update, copy back; else do nothing."""
+        if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
+            return
+        states, scaler = self.states, self.scaler
+        overflow = self.config.fp16.enabled and has_overflow(states.flat_grad)
+        record = {"step": self.global_steps, "loss_scale": scaler.scale, "overflow": overflow, "grad_norm": None}
+        if overflow:
+            # The update is skipped whole: master weights and moments are not touched.
+            self.skipped_steps += 1
+        else:
+            self._update(record)
+        scaler.update(overflow)
+        states.zero_grad()
+        self.global_steps += 1
+        self.history.append(record)
+
+    def _update(self, record: dict) -> None:
+        states = self.states
+        if states.flat_grad.dtype == torch.float32:
+            grad = states.flat_grad
+        else:
+            # A transient fp32 gradient, charged to the device while it lives (a GPU holds it too).
+            grad = self.accelerator.empty(states.numel, torch.float32, category="gradients")
+            grad.copy_(states.flat_grad)
+        factor = 1.0 / self.scaler.scale
+        norm = float(grad.norm(2)) * factor
+        record["grad_norm"] = norm
+        clip = self.config.gradient_clipping
+        if clip > 0 and norm > clip:
+            factor *= clip / (norm + 1e-6)
+        if factor != 1.0:
+            grad.mul_(factor)
+        states.master.grad = grad
+        self.optimizer.step()
+        states.master.grad = None
+        states.copy_master_to_params()
+
+    def zero_grad(self) -> None:
+        self.states.zero_grad()
+
+    # -- reporting -------------------------------------------------------------------------------------------------
+    def estimate_model_states(self):
+        zero = self.config.zero_optimization
+        return estimate_model_states(
+            self.num_params, stage=zero.stage, world_size=self.config.world_size,
+            offload_optimizer=zero.offload_optimizer.device, offload_param=zero.offload_param.device,
+            precision=self.config.precision,
+        )
+
+    def memory_report(self) -> MemoryReport:
+        """Model-state bytes per tier, estimated and measured, and the device's use and peak."""
+        return MemoryReport(
+            estimated=self.estimate_model_states(),
+            measured=self.ledger.measure(),
+            device=self.accelerator.memory_stats(),
+            accelerator=self.accelerator.name,
+            num_params=self.num_params,
+        )
+
+
+def initialize(model: torch.nn.Module, config, *, accelerator: Accelerator | None = None) -> Engine:
+    """Wrap `model` in an engine configured by `config` (a dict, a path to a DeepSpeed-style JSON, or a Config)."""
+    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return Engine(model, load_config(config, world_size=world_size), accelerator=accelerator)

@@ -1,0 +1,250 @@
+"""Grade a lab: run its tests against your files and print tasks, points and what failed.
+
+`zo grade 1` (or `make lab1`) copies the engine's package to a temporary directory, swaps in only
+lab 1's files from labs/lab1/, and runs the tests marked `lab1` there in a fresh Python process. Only
+lab N's files are swapped in, so an unfinished lab 2 cannot break lab 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+
+from zero_offload import labkit
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+TIMEOUT_S = float(os.environ.get("ZO_GRADING_TIMEOUT", 900))  # a deadlocked learner's lab must not hang CI
+WIDTH = 100  # the table fits a 100-column terminal
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str
+    title: str
+    points: int
+
+
+@dataclass(frozen=True)
+class Lab:
+    number: int
+    module: str
+    title: str  # starts with the module's Chinese name, as the course pages do
+    available: bool
+    tasks: tuple[Task, ...]
+
+
+LABS: dict[int, Lab] = {lab.number: lab for lab in (
+    Lab(1, "basics", "基础篇 basics: naive Adam, mixed precision, model-state memory", True, (
+        Task("1.1", "Adam moment updates", 25),
+        Task("1.2", "Bias correction and the parameter update, Adam vs AdamW", 25),
+        Task("1.3", "Model-state bytes per tier", 25),
+        Task("1.4", "Loss-scale overflow handling", 25))),
+    Lab(2, "principles", "原理篇 principles: ZeRO stage 1/2/3 sharding", False, (
+        Task("2.1", "Shard ranges", 25),
+        Task("2.2", "Reduce-scatter into the owned shard", 25),
+        Task("2.3", "All-gather of updated parameters", 25),
+        Task("2.4", "Stage-3 gather and release around a layer", 25))),
+    Lab(3, "implementation", "实现篇 implementation: CPU offload of the optimizer step", False, (
+        Task("3.1", "Copy the gradient partition to the host fp32 buffer", 25),
+        Task("3.2", "The offloaded Adam step over the flat partition", 25),
+        Task("3.3", "Cast and upload the updated weights", 25),
+        Task("3.4", "Overflow across ranks: skip everywhere, lose nothing", 25))),
+    Lab(4, "tuning", "调优篇 tuning: a SIMD CPU Adam kernel in C", False, (
+        Task("4.1", "The AVX2 FMA loop in fp32", 34),
+        Task("4.2", "The fp16 weight output with F16C", 33),
+        Task("4.3", "The scalar tail", 33))),
+    Lab(5, "practice", "实战篇 practice: overlapped transfers, delayed parameter update", False, (
+        Task("5.1", "The double-buffered bucket schedule", 34),
+        Task("5.2", "Event ordering so no buffer is overwritten early", 33),
+        Task("5.3", "Delayed parameter update", 33))),
+)}  # fmt: skip
+
+
+class GradingError(Exception):
+    """The grading run could not start; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    task: Task
+    passed: bool
+    n_tests: int
+    first_failure: str  # "Type: first line of the message [test name]", or why nothing ran
+    status: str  # PASS, FAIL, or NO TESTS when no test is marked with this task
+
+
+@dataclass(frozen=True)
+class GradeResult:
+    lab: Lab
+    source: Path  # the directory the lab's files came from
+    tasks: tuple[TaskResult, ...]
+    errors: tuple[str, ...]  # what stopped tests from being collected or run at all
+    output: str  # pytest's own output, shown by `zo grade N -v`
+
+    @property
+    def passed(self) -> bool:
+        return all(t.passed for t in self.tasks)
+
+    @property
+    def points(self) -> int:
+        return sum(t.task.points for t in self.tasks if t.passed)
+
+    def table(self) -> str:
+        widths = (4, 34, 6, 8, WIDTH - 52 - 4 * 3)  # the last column, the failure, takes what is left
+
+        def row(*cells: str) -> str:
+            return " | ".join(_fit(c, w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+        lab, total = self.lab, sum(t.points for t in self.lab.tasks)
+        head = [f"Lab {lab.number}: {lab.title}", f"files from {self.source}", ""]
+        head += [f"error: {e}" for e in self.errors] + [""] * bool(self.errors)
+        rule = "-+-".join("-" * w for w in widths)
+        rows = [
+            row(t.task.id, t.task.title, f"{t.task.points:>6}", t.status, t.first_failure) for t in self.tasks
+        ]
+        n_passed = sum(t.passed for t in self.tasks)
+        tail = (
+            f"Lab {lab.number}: {n_passed} of {len(self.tasks)} tasks passed, {self.points} / {total} points"
+        )
+        lines = [*head, row("Task", "Title", "Points", "Result", "First failure"), rule, *rows, "", tail]
+        return "\n".join(lines)
+
+
+def _width(text: str) -> int:  # Chinese characters take two columns
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def _fit(text: str, width: int) -> str:
+    text = text.replace("\n", " ")
+    if _width(text) > width:
+        while _width(text) > width - 1:
+            text = text[:-1]
+        text += "…"
+    return text + " " * (width - _width(text))
+
+
+def error_line(text: str) -> str:
+    """The line of pytest's output that says what went wrong: the last `E ...` or `ERROR: ...` line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for prefix in ("E ", "ERROR: "):
+        hits = [line[len(prefix) :].strip() for line in lines if line.startswith(prefix)]
+        if hits:
+            return hits[-1]
+    return lines[-1] if lines else "no output"
+
+
+def summarize(lab: Lab, data: dict, output: str = "", source: Path = Path(".")) -> GradeResult:
+    """Turn the plugin's results ({"tests": [...], "errors": [...]}) into one result per task."""
+    errors = tuple(data.get("errors", ()))
+    results = []
+    for task in lab.tasks:
+        tests = [t for t in data.get("tests", ()) if t["task"] == task.id]
+        failed = [t["message"] for t in tests if not t["passed"]]
+        if failed or errors:  # an error means some tests never ran, so no task can count as passed
+            results.append(TaskResult(task, False, len(tests), (failed or errors)[0], "FAIL"))
+        elif tests:
+            results.append(TaskResult(task, True, len(tests), "", "PASS"))
+        else:
+            results.append(TaskResult(task, False, 0, f"no test is marked task({task.id!r})", "NO TESTS"))
+    return GradeResult(lab, source, tuple(results), errors, output)
+
+
+def _repo_root(repo_root: str | Path | None) -> Path:
+    root = Path(repo_root) if repo_root else PACKAGE_DIR.parents[1]
+    if not (root / "tests" / "labs").is_dir():
+        raise GradingError(f"grading needs a clone of the repository (tests/labs not found in {root})")
+    return root
+
+
+def _source(lab_dir: Path, lab: int, files: list[str], repo: Path) -> Path:
+    base = lab_dir if lab_dir.is_absolute() or lab_dir.exists() else repo / lab_dir
+    source = base / f"lab{lab}" if (base / f"lab{lab}").is_dir() else base
+    missing = [rel for rel in files if not (source / rel).is_file()]
+    if missing:
+        raise GradingError(
+            f"{source} lacks lab {lab}'s files: {', '.join(missing)} "
+            "(`python tools/make_labs.py` writes missing stubs again)"
+        )
+    return source
+
+
+def _syntax_errors(package: Path, files: list[str]) -> list[str]:
+    errors = []
+    for rel in (f for f in files if f.endswith(".py")):
+        try:
+            compile((package / rel).read_text(encoding="utf-8"), rel, "exec")
+        except SyntaxError as err:
+            errors.append(f"{rel}, line {err.lineno}: SyntaxError: {err.msg}")
+    return errors
+
+
+def _run_tests(lab: int, overlay: Path, repo: Path) -> tuple[dict, str]:
+    results = overlay / "results.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # e.g. no `-n 2` from a caller
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(overlay), os.environ.get("PYTHONPATH")]))
+    env.update(ZO_GRADING_RESULTS=str(results), ZO_GRADING_OVERLAY=str(overlay), ZO_GRADING_LAB=str(lab))
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "zero_offload.grading_plugin",
+               "-p", "no:cacheprovider", "-p", "no:xdist", "-m", f"lab{lab}", str(repo / "tests" / "labs")]  # fmt: skip
+    try:
+        run = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as err:
+        output = (err.stdout or b"").decode(errors="replace")  # bytes, whatever `text` says
+        return {"errors": [f"the tests ran longer than {TIMEOUT_S:.0f} s"]}, output
+    output = run.stdout + run.stderr
+    if not results.is_file():  # pytest stopped before its session began
+        return {"errors": [f"pytest could not start: {error_line(output)}"]}, output
+    return json.loads(results.read_text(encoding="utf-8")), output
+
+
+def grade(lab: int, lab_dir: str | Path = "labs", *, repo_root: str | Path | None = None) -> GradeResult:
+    """Run lab's graded tests against the files in `lab_dir`/labN, or in `lab_dir` itself."""
+    if lab not in LABS:
+        raise GradingError(f"there is no lab {lab}; the course has labs {', '.join(map(str, LABS))}")
+    spec = LABS[lab]
+    if not spec.available:
+        name = f"{spec.module} {spec.title.split()[0]}"
+        raise GradingError(
+            f"Lab {lab} ({name}) is not available yet: module {lab} is not built in this version of the course."
+        )
+    repo = _repo_root(repo_root)
+    files = labkit.lab_files(PACKAGE_DIR, lab)
+    if not files:
+        raise GradingError(f"lab {lab} has no marked regions in {PACKAGE_DIR}")
+    source = _source(Path(lab_dir), lab, files, repo)
+    with tempfile.TemporaryDirectory(prefix=f"zo-grade-lab{lab}-") as tmp:
+        package = Path(tmp) / "zero_offload"
+        shutil.copytree(PACKAGE_DIR, package, ignore=shutil.ignore_patterns("__pycache__"))
+        for rel in files:
+            shutil.copyfile(source / rel, package / rel)
+        broken = _syntax_errors(package, files)  # say where: pytest would only fail to import the package
+        data, output = ({"errors": broken}, "") if broken else _run_tests(lab, Path(tmp), repo)
+    return summarize(spec, data, output, source)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zo grade", description="Grade a lab and print tasks and points.")
+    parser.add_argument("lab", type=int, help="the lab number, 1-5")
+    parser.add_argument(
+        "--lab-dir", default="labs", help="labs (default), solutions, or a directory of lab files"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the output of the tests")
+    args = parser.parse_args(argv)
+    try:
+        result = grade(args.lab, args.lab_dir)
+    except (GradingError, labkit.LabMarkerError) as err:
+        print(err, file=sys.stderr)
+        return 2
+    if args.verbose:
+        print(result.output)
+    print(result.table())
+    if not result.passed and not args.verbose:
+        print(f"Run `zo grade {args.lab} -v` to see the test output.")
+    return 0 if result.passed else 1

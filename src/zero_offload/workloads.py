@@ -1,0 +1,170 @@
+"""The course's workload: a tiny GPT and a byte-level corpus made from the course's own text.
+
+Nothing is downloaded. The model's size is one config, from under a million parameters to over a billion;
+`GPTConfig.num_params()` counts them without building the model, so plans for 13B models cost nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256  # bytes
+    seq_len: int = 64
+    d_model: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    tie_weights: bool = True  # the output head reuses the embedding, as GPT-2 does
+
+    def __post_init__(self):
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+
+    def num_params(self) -> int:
+        """Exact parameter count: embeddings, 12 d^2 + 13 d per block, final norm, untied head if any."""
+        d = self.d_model
+        embeddings = self.vocab_size * d + self.seq_len * d
+        head = 0 if self.tie_weights else self.vocab_size * d
+        return embeddings + self.n_layer * (12 * d * d + 13 * d) + 2 * d + head
+
+
+# Named sizes used by the lessons, the demo and the benchmarks.
+PRESETS = {
+    "nano": GPTConfig(seq_len=32, d_model=64, n_layer=2, n_head=2),  # ~0.12M: unit tests
+    "tiny": GPTConfig(),  # ~0.84M: lessons, demo
+    "small": GPTConfig(seq_len=128, d_model=256, n_layer=6, n_head=8),  # ~4.8M
+    "10m": GPTConfig(seq_len=128, d_model=384, n_layer=6, n_head=6),  # ~10.8M: DESIGN.md's benchmark size
+    "100m": GPTConfig(seq_len=128, d_model=768, n_layer=14, n_head=12),  # ~99M
+    "1b": GPTConfig(seq_len=128, d_model=2048, n_layer=20, n_head=16),  # ~1.0B: module 5's largest model
+}
+
+
+def gpt_config(name_or_config: str | GPTConfig, **overrides) -> GPTConfig:
+    if isinstance(name_or_config, GPTConfig):
+        return replace(name_or_config, **overrides)
+    if name_or_config not in PRESETS:
+        raise ValueError(f"unknown model preset {name_or_config!r}; choose one of {', '.join(PRESETS)}")
+    return replace(PRESETS[name_or_config], **overrides)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.n_head = cfg.n_head
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.fc_out = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (t.view(batch, seq, self.n_head, d // self.n_head).transpose(1, 2) for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, d))
+        return x + self.fc_out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class TinyGPT(nn.Module):
+    """A GPT-2-style byte-level language model; `forward(idx)` returns logits of shape (B, T, vocab)."""
+
+    def __init__(self, cfg: GPTConfig | str = "tiny", *, seed: int = 0):
+        super().__init__()
+        self.cfg = cfg = gpt_config(cfg)
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.wte.weight
+        self._init_weights(seed)
+
+    @torch.no_grad()
+    def _init_weights(self, seed: int) -> None:
+        # Its own generator: the same seed gives the same weights on every rank, whatever else used the RNG.
+        gen = torch.Generator().manual_seed(seed)
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)  # GPT-2: scale the residual projections
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.dim() == 1:  # LayerNorm weight
+                param.fill_(1.0)
+            else:
+                std = residual_std if name.endswith(("proj.weight", "fc_out.weight")) else 0.02
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        seq = idx.shape[1]
+        if seq > self.cfg.seq_len:
+            raise ValueError(f"sequence of {seq} tokens is longer than the model's seq_len {self.cfg.seq_len}")
+        pos = torch.arange(seq, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-byte cross-entropy, computed in fp32 whatever the logits' precision."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def load_corpus(root: str | Path | None = None) -> torch.Tensor:
+    """All bytes of the course's Markdown chapters (course/*.md), as a uint8 tensor.
+
+    Outside a clone of the repository (no course/ folder), the package's own Python sources stand in.
+    """
+    root = Path(root) if root is not None else _repo_root()
+    files = sorted((root / "course").glob("*.md"))
+    if not files:
+        files = sorted(Path(__file__).resolve().parent.rglob("*.py"))
+    data = b"\n".join(f.read_bytes() for f in files)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+class ByteBatches:
+    """Deterministic next-byte batches: the same (step, seed) gives the same batch on every machine.
+
+    A step's global batch has `batch_size` rows. `micro_batch` cuts it in rank order: micro-step k of rank r
+    holds rows [(k * world_size + r) * micro, ... + micro), so any world size and accumulation sees the same
+    global batch.
+    """
+
+    def __init__(self, corpus: torch.Tensor, seq_len: int, *, seed: int = 0, split: str = "train"):
+        cut = int(len(corpus) * 0.9)
+        self.data = corpus[:cut] if split == "train" else corpus[cut:]
+        if len(self.data) <= seq_len + 1:
+            raise ValueError(f"the {split} corpus ({len(self.data)} bytes) is too short for seq_len {seq_len}")
+        self.seq_len, self.seed = seq_len, seed
+
+    def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, len(self.data) - self.seq_len - 1, (batch_size,), generator=gen)
+        rows = torch.stack([self.data[s : s + self.seq_len + 1] for s in starts.tolist()]).long()
+        return rows[:, :-1], rows[:, 1:]
+
+    def micro_batch(self, step: int, micro: int, *, micro_step: int = 0, rank: int = 0, world_size: int = 1,
+                    accumulation: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (0 <= micro_step < accumulation and 0 <= rank < world_size):
+            raise ValueError(f"micro_step {micro_step} / rank {rank} out of range ({accumulation} x {world_size})")
+        x, y = self.global_batch(step, micro * accumulation * world_size)
+        first = (micro_step * world_size + rank) * micro
+        return x[first : first + micro], y[first : first + micro]

@@ -1,0 +1,156 @@
+"""The accelerator: the emulated device's books, its OOM error, streams and events; CUDA when present."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+import torch
+
+from zero_offload.accelerator import DeviceOutOfMemoryError, EmulatedAccelerator, get_accelerator
+
+MiB = 2**20
+
+
+def test_allocations_are_charged_and_returned_when_the_memory_dies():
+    accel = EmulatedAccelerator(capacity=10 * MiB)
+    a = accel.empty(MiB // 4, torch.float32, category="parameters")  # 1 MiB
+    view = a[10:20]
+    assert accel.memory_stats().in_use == MiB
+    assert accel.memory_stats().by_category["parameters"] == MiB
+    assert accel.is_on_device(view) and not accel.is_on_device(torch.empty(4))
+    del a
+    gc.collect()
+    assert accel.memory_stats().in_use == MiB, "a live view keeps the device memory alive"
+    del view
+    gc.collect()
+    assert accel.memory_stats().in_use == 0 and accel.memory_stats().peak == MiB
+
+
+def test_out_of_memory_reads_like_cuda_and_names_the_fix():
+    accel = EmulatedAccelerator(capacity=3 * MiB)
+    keep = accel.empty(2 * MiB, torch.uint8, category="parameters")
+    with pytest.raises(DeviceOutOfMemoryError) as err:
+        accel.empty(2 * MiB, torch.uint8, category="optimizer_states")
+    message = str(err.value)
+    for fragment in ("out of memory", "Tried to allocate 2.00 MiB", "Budget 3.00 MiB", "2.00 MiB already in use",
+                     "peak", "offload_optimizer"):
+        assert fragment in message
+    assert isinstance(err.value, torch.OutOfMemoryError), "handlers written for CUDA must catch it too"
+    assert accel.memory_stats().in_use == 2 * MiB, "a failed allocation must not be charged"
+    del keep
+
+
+def test_unknown_category_is_an_error():
+    with pytest.raises(ValueError, match="category"):
+        EmulatedAccelerator().empty(4, torch.float32, category="weights")
+
+
+def test_saved_activations_are_charged_at_storage_precision_until_backward():
+    accel = EmulatedAccelerator()
+    w = accel.empty((256, 256), torch.float32, category="parameters").normal_().requires_grad_()
+    x = torch.randn(64, 256, requires_grad=True)
+    with accel.activations(torch.float16):
+        y = torch.tanh(x @ w)  # saves x (param w is not charged again) and tanh's output
+    charged = accel.memory_stats().by_category["activations"]
+    assert charged == (64 * 256 * 2) * 2, "two fp32 activations charged as fp16"
+    y.sum().backward()
+    gc.collect()
+    assert accel.memory_stats().by_category["activations"] == 0
+
+
+def test_compute_copies_of_weights_are_not_charged():
+    accel = EmulatedAccelerator()
+    w16 = accel.empty((128, 128), torch.float16, category="parameters").normal_().requires_grad_()
+    with accel.activations(torch.float16):
+        w32 = w16.float()
+        accel.mark_compute_copy(w32)
+        y = torch.ones(4, 128) @ w32  # saves w32 for backward, as a GPU would save the fp16 weight itself
+    # only the input is charged (as fp16); the fp32 copy of the weight is not
+    assert accel.memory_stats().by_category["activations"] == 4 * 128 * 2
+    y.sum().backward()
+    assert w16.grad is not None and w16.grad.dtype == torch.float16
+
+
+def test_activations_over_budget_raise_with_a_batch_size_hint():
+    accel = EmulatedAccelerator(capacity=MiB)
+    x = torch.randn(1024, 1024, requires_grad=True)
+    with pytest.raises(DeviceOutOfMemoryError, match="train_micro_batch_size_per_gpu"):
+        with accel.activations():
+            torch.tanh(x)
+
+
+def test_stream_runs_its_queue_in_order_on_another_thread():
+    stream = EmulatedAccelerator().new_stream()
+    order, threads = [], set()
+
+    def work(i):
+        time.sleep(0.01 * (3 - i))  # later items are quicker: order must come from the queue
+        order.append(i)
+        threads.add(threading.get_ident())
+
+    events = [stream.submit(work, i) for i in range(3)]
+    events[-1].wait()
+    assert order == [0, 1, 2] and all(e.done() for e in events)
+    assert threading.get_ident() not in threads
+
+
+def test_wait_event_orders_work_across_streams():
+    accel = EmulatedAccelerator()
+    copy, compute = accel.new_stream(), accel.new_stream()
+    buf = torch.zeros(1)
+    copied = copy.submit(lambda: (time.sleep(0.05), buf.fill_(7.0)))
+    compute.wait_event(copied)
+    result = compute.submit(lambda: float(buf))
+    assert result._future.result() == 7.0
+
+
+def test_a_failure_on_a_stream_surfaces_at_wait():
+    stream = EmulatedAccelerator().new_stream()
+
+    def boom():
+        raise RuntimeError("copy failed")
+
+    event = stream.submit(boom)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        event.wait()
+
+
+def test_environment_selects_and_budgets_the_device(monkeypatch):
+    monkeypatch.setenv("ZO_DEVICE", "cpu")
+    monkeypatch.setenv("ZO_DEVICE_MEMORY", "64MiB")
+    accel = get_accelerator()
+    assert accel.name == "emulated" and accel.capacity == 64 * MiB
+    assert get_accelerator("1GB").capacity == 10**9, "the config's budget wins over the environment"
+    monkeypatch.setenv("ZO_DEVICE_MEMORY", "lots")
+    with pytest.raises(ValueError, match="ZO_DEVICE_MEMORY"):
+        get_accelerator()
+    monkeypatch.setenv("ZO_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="ZO_DEVICE"):
+        get_accelerator()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
+def test_asking_for_cuda_without_it_says_so(monkeypatch):
+    monkeypatch.setenv("ZO_DEVICE", "cuda")
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        get_accelerator()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_accelerator_streams_pinned_copies_and_stats(monkeypatch):
+    monkeypatch.delenv("ZO_DEVICE", raising=False)
+    monkeypatch.delenv("ZO_DEVICE_MEMORY", raising=False)
+    accel = get_accelerator()
+    assert accel.name == "cuda"
+    dev = accel.zeros(1 << 20, torch.float16, category="parameters")
+    host = accel.host_empty(1 << 20, torch.float16, pin=True)
+    assert host.is_pinned() and accel.is_on_device(dev) and not accel.is_on_device(host)
+    stream = accel.new_stream()
+    dev.fill_(3.0)
+    event = stream.submit(lambda: host.copy_(dev, non_blocking=True))
+    event.wait()
+    assert float(host[0]) == 3.0
+    assert accel.memory_stats().in_use >= dev.numel() * 2
