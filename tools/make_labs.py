@@ -10,13 +10,19 @@ The work is done by zero_offload.labkit; this is only its command line.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))  # this clone's labkit, installed or not
 
-from zero_offload import labkit  # noqa: E402
+# This clone's labkit, loaded by its path rather than through the package: regenerating the labs must work
+# without torch and while the engine half-written in src/ does not import.
+_spec = importlib.util.spec_from_file_location(
+    "zero_offload_labkit", REPO / "src" / "zero_offload" / "labkit.py"
+)
+labkit = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(labkit)
 
 
 def main(argv: list[str] | None = None) -> int:

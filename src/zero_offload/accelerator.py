@@ -112,6 +112,8 @@ class _CudaStream:
             event.wait()
 
     def submit(self, fn, *args, **kwargs) -> Event:
+        # Same contract as the emulated stream: the work sees everything the caller enqueued before it.
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         with torch.cuda.stream(self._stream):
             fn(*args, **kwargs)
             cuda_event = torch.cuda.Event()

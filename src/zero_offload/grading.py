@@ -149,7 +149,7 @@ def summarize(lab: Lab, data: dict, output: str = "", source: Path = Path(".")) 
         tests = [t for t in data.get("tests", ()) if t["task"] == task.id]
         failed = [t["message"] for t in tests if not t["passed"]]
         if failed or errors:  # an error means some tests never ran, so no task can count as passed
-            results.append(TaskResult(task, False, len(tests), (failed or errors)[0], "FAIL"))
+            results.append(TaskResult(task, False, len(tests), (errors or failed)[0], "FAIL"))
         elif tests:
             results.append(TaskResult(task, True, len(tests), "", "PASS"))
         else:

@@ -26,9 +26,8 @@ def _env(name: str) -> str:
 
 def _outside(overlay: Path) -> list[str]:
     """Where zero_offload, or any of its modules, came from if not from the overlay."""
-    package = sys.modules["zero_offload"]
-    places = list(package.__path__) + [getattr(m, "__file__", None) or "" for n, m in list(sys.modules.items())
-                                       if n.startswith("zero_offload.")]  # fmt: skip
+    modules = [module for name, module in list(sys.modules.items()) if name.startswith("zero_offload.")]
+    places = [*sys.modules["zero_offload"].__path__, *(getattr(m, "__file__", None) for m in modules)]
     return sorted({p for p in places if p and not Path(p).resolve().is_relative_to(overlay)})
 
 
@@ -47,8 +46,10 @@ class _Recorder:
         outside = _outside(self.overlay)
         if outside:
             more = f" and {len(outside) - 1} more" if len(outside) > 1 else ""
-            self._fail(f"zero_offload was imported from {outside[0]}{more}, not from the grading copy in "
-                       f"{self.overlay}; remove the PYTHONPATH entries or installs that shadow it")  # fmt: skip
+            where = f"{outside[0]}{more}, not from the grading copy in {self.overlay}"
+            self._fail(
+                f"zero_offload was imported from {where}; remove PYTHONPATH entries or installs that shadow it"
+            )
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
@@ -61,16 +62,21 @@ class _Recorder:
             marker = item.get_closest_marker("task")
             task = marker.args[0] if marker and marker.args else None
             if task not in ids:
-                self._fail(f"{item.nodeid} is marked lab{self.lab} but its task is {task!r}; "
-                           f"mark it @pytest.mark.task(...) with one of {', '.join(ids)}")  # fmt: skip
-            self.tests[item.nodeid] = {"task": task, "name": item.name, "passed": None, "message": ""}
+                fix = f"mark it @pytest.mark.task(...) with one of {', '.join(ids)}"
+                self._fail(f"{item.nodeid} is marked lab{self.lab} but its task is {task!r}; {fix}")
+            self.tests[item.nodeid] = {
+                "task": task,
+                "name": item.name,
+                "passed": None,
+                "message": "did not run",
+            }
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         test = self.tests.get(report.nodeid)
         if test is None:
             return
         if report.failed or report.skipped:  # a skipped test has not shown that the task works
-            if test["passed"] is not False:
+            if test["passed"] is not False:  # keep the first failure: later ones often follow from it
                 test["message"] = f"{_message(report)} [{test['name']}]"
             test["passed"] = False
         elif report.when == "call" and test["passed"] is None:
@@ -83,14 +89,11 @@ class _Recorder:
 
 
 def _message(report: pytest.TestReport) -> str:
+    if report.skipped and isinstance(report.longrepr, tuple):  # (file, line, "Skipped: why")
+        return f"skipped: {report.longrepr[2].removeprefix('Skipped: ')}"
     crash = getattr(report.longrepr, "reprcrash", None)
-    if crash is not None:
-        text = crash.message
-    elif isinstance(report.longrepr, tuple):  # a skip: (file, line, "Skipped: why")
-        text = report.longrepr[2]
-    else:
-        text = error_line(str(report.longrepr))
-    first = text.strip().splitlines()[0] if text.strip() else report.outcome
+    text = (crash.message if crash else error_line(str(report.longrepr))).strip() or report.outcome
+    first = text.splitlines()[0]
     return first if report.when == "call" else f"in {report.when}: {first}"
 
 

@@ -6,7 +6,6 @@ The references below are written independently of the engine, in float64, from t
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

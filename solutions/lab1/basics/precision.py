@@ -1,0 +1,180 @@
+"""Mixed-precision model states and the loss scaler that keeps fp16 gradients alive.
+
+Mixed-precision Adam keeps four kinds of model state per parameter:
+  on the device:  the fp16/bf16 weight the forward pass reads (2 bytes) and its gradient (2 bytes);
+  for Adam:       an fp32 master copy of the weight (4 bytes), and the moments m and v (4 + 4 bytes).
+The update is done on the fp32 master weights; the fp16 weights are a rounded copy rewritten after every step.
+Without the master copy, small updates (lr * m / sqrt(v) below half an fp16 ulp of the weight) would round away.
+
+fp16 has 5 exponent bits: gradients below 2^-24 flush to zero. Scaling the loss by S scales every gradient by S,
+lifting them into range; the optimizer divides by S again. Too large an S overflows to inf: then the step is
+skipped (nothing is updated) and S is lowered. bf16 has fp32's exponent range and needs no loss scaling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..accelerator import Accelerator
+
+LOW_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def has_overflow(tensor: torch.Tensor) -> bool:
+    """True if any element is inf or nan: the scaled gradients no longer carry information."""
+    return not bool(torch.isfinite(tensor).all())
+
+
+class StaticLossScaler:
+    """A fixed loss scale (DeepSpeed's `"fp16": {"loss_scale": S}` with S > 0); 1.0 means no scaling."""
+
+    dynamic = False
+
+    def __init__(self, scale: float = 1.0):
+        self.scale = float(scale)
+
+    def update(self, overflow: bool) -> None:
+        """A static scale never moves; an overflow still skips the step."""
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+
+
+class DynamicLossScaler:
+    """DeepSpeed-style dynamic loss scale.
+
+    - start at `init_scale` (DeepSpeed: 2 ** initial_scale_power);
+    - on overflow: skip the step; lower the scale by `scale_factor` once `hysteresis` overflows have used up the
+      patience (hysteresis 1 = back off at the first overflow), never below `min_scale`;
+    - after `scale_window` steps in a row without overflow: raise the scale by `scale_factor` and restore the
+      patience (with `consecutive_hysteresis`, every good step restores it).
+    """
+
+    dynamic = True
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        *,
+        scale_factor: float = 2.0,
+        scale_window: int = 1000,
+        hysteresis: int = 2,
+        consecutive_hysteresis: bool = False,
+        min_scale: float = 1.0,
+    ):
+        self.scale = float(init_scale)
+        self.scale_factor = scale_factor
+        self.scale_window = scale_window
+        self.hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.min_scale = float(min_scale)
+        self.hysteresis_left = hysteresis  # overflows still tolerated before the scale goes down
+        self.good_steps = 0  # steps since the last overflow
+
+    @classmethod
+    def from_config(cls, fp16) -> DynamicLossScaler | StaticLossScaler:
+        """Build from the config's `fp16` section: loss_scale 0 means dynamic."""
+        if fp16.loss_scale:
+            return StaticLossScaler(fp16.loss_scale)
+        return cls(
+            2.0**fp16.initial_scale_power,
+            scale_window=fp16.loss_scale_window,
+            hysteresis=fp16.hysteresis,
+            consecutive_hysteresis=fp16.consecutive_hysteresis,
+            min_scale=fp16.min_loss_scale,
+        )
+
+    def update(self, overflow: bool) -> None:
+        """Move the scale after a step; the caller has already skipped the step if `overflow`."""
+        # BEGIN LAB 1.4: adjust the loss scale after a step, with hysteresis and a growth window
+        # On overflow: if the patience is used up (hysteresis_left <= 1), divide the scale by scale_factor
+        # (not below min_scale); otherwise spend one unit of patience (hysteresis_left -= 1). Either way the
+        # count of good steps starts again from 0.
+        # Without overflow: count the good step; with consecutive_hysteresis, restore the patience now.
+        # Every scale_window good steps, multiply the scale by scale_factor and restore the patience.
+        if overflow:
+            if self.hysteresis_left <= 1:
+                self.scale = max(self.scale / self.scale_factor, self.min_scale)
+            else:
+                self.hysteresis_left -= 1
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.consecutive_hysteresis:
+            self.hysteresis_left = self.hysteresis
+        if self.good_steps % self.scale_window == 0:
+            self.scale *= self.scale_factor
+            self.hysteresis_left = self.hysteresis
+        # END LAB 1.4
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "hysteresis_left": self.hysteresis_left, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.hysteresis_left = int(state["hysteresis_left"])
+        self.good_steps = int(state["good_steps"])
+
+
+def unique_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Trainable parameters in registration order, each once: a tied weight is one tensor, counted once."""
+    seen: set[int] = set()
+    params = []
+    for param in model.parameters():
+        if param.requires_grad and id(param) not in seen:
+            seen.add(id(param))
+            params.append(param)
+    return params
+
+
+class MixedPrecisionStates:
+    """The model states of one model as flat buffers on the device (ZeRO stage 0: nothing is partitioned).
+
+    `flat_param` (fp16/bf16/fp32) and `flat_grad` (same dtype) are charged to the device; every parameter's
+    `.data` and `.grad` become views into them, so autograd accumulates gradients straight into the flat buffer.
+    In fp16/bf16 runs `master` is a separate fp32 copy; in fp32 runs the parameters are their own master.
+    `exp_avg` and `exp_avg_sq` are Adam's moments, fp32, allocated here so that every byte is accounted for.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], accel: Accelerator, precision: str):
+        if precision not in LOW_PRECISION:
+            raise ValueError(f"precision must be one of {sorted(LOW_PRECISION)}, got {precision!r}")
+        self.params, self.accel, self.precision = params, accel, precision
+        self.dtype = LOW_PRECISION[precision]
+        self.numel = sum(p.numel() for p in params)
+        # Allocation order is the order a GPU would fill: weights, gradients, then the optimizer's fp32 states,
+        # so an out-of-memory error names the states that offloading would move.
+        self.flat_param = accel.empty(self.numel, self.dtype, category="parameters")
+        self.flat_grad = accel.zeros(self.numel, self.dtype, category="gradients")
+        if self.dtype == torch.float32:
+            self.master = self.flat_param
+        else:
+            self.master = accel.empty(self.numel, torch.float32, category="master_weights")
+        self.exp_avg = accel.zeros(self.numel, torch.float32, category="optimizer_states")
+        self.exp_avg_sq = accel.zeros(self.numel, torch.float32, category="optimizer_states")
+        with torch.no_grad():
+            offset = 0
+            for param in params:
+                n = param.numel()
+                # The master copy starts from the model's own fp32 values, not from their fp16 rounding.
+                self.master[offset : offset + n].copy_(param.detach().reshape(-1))
+                offset += n
+            if self.master is not self.flat_param:
+                self.flat_param.copy_(self.master)
+        offset = 0
+        for param in params:
+            n = param.numel()
+            param.data = self.flat_param[offset : offset + n].view_as(param)
+            param.grad = self.flat_grad[offset : offset + n].view_as(param)
+            offset += n
+
+    def zero_grad(self) -> None:
+        self.flat_grad.zero_()
+
+    def copy_master_to_params(self) -> None:
+        """After the fp32 update: round the master weights into the weights the forward pass reads."""
+        if self.master is not self.flat_param:
+            self.flat_param.copy_(self.master)

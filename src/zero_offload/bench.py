@@ -1,0 +1,66 @@
+"""`make bench`: speed measured as ratios within one run (never as pass/fail timing in tests)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .basics.adam import Adam
+from .plots import plot_bars
+
+
+def _median_ms(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+def adam_implementations(numel: int = 16_700_000, repeats: int = 10, threads: int | None = None) -> dict:
+    """One Adam step over `numel` fp32 parameters in one tensor, for each implementation in this release."""
+    if threads:
+        torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    grad = torch.randn(numel, generator=gen)
+    makers = {
+        "naive (zero_offload.basics.Adam)": lambda p: Adam([p], lr=1e-3),
+        "torch.optim.Adam foreach": lambda p: torch.optim.Adam([p], lr=1e-3, foreach=True),
+        "torch.optim.Adam fused": lambda p: torch.optim.Adam([p], lr=1e-3, fused=True),
+    }
+    results = {}
+    for name, make in tqdm(makers.items(), desc="Adam implementations", unit="impl"):
+        param = torch.zeros(numel, requires_grad=True)
+        param.grad = grad
+        optimizer = make(param)
+        results[name] = _median_ms(optimizer.step, repeats)
+    # Memory-bandwidth floor: a fused step reads p, g, m, v and writes p, m, v = 28 bytes per parameter.
+    src, dst = torch.empty(numel * 7), torch.empty(numel * 7)
+    copy_ms = _median_ms(lambda: dst.copy_(src), repeats)  # reads 28 and writes 28 bytes per parameter
+    floor_ms = copy_ms / 2
+    return {"numel": numel, "threads": torch.get_num_threads(), "median_ms": results, "floor_ms": floor_ms}
+
+
+def run_bench(out_dir: str | Path = "out/bench", *, numel: int = 16_700_000, repeats: int = 10) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    adam = adam_implementations(numel, repeats)
+    fused = adam["median_ms"]["torch.optim.Adam fused"]
+    print(f"\nAdam step over {adam['numel']:,} fp32 parameters, {adam['threads']} threads, median of {repeats}")
+    print(f"{'implementation':<36}{'ms':>10}{'x fused':>10}{'Mparam/s':>12}")
+    for name, ms in adam["median_ms"].items():
+        print(f"{name:<36}{ms:>10.1f}{ms / fused:>10.2f}{adam['numel'] / ms / 1e3:>12.0f}")
+    print(f"{'memory-bandwidth floor (28 B/param)':<36}{adam['floor_ms']:>10.1f}{adam['floor_ms'] / fused:>10.2f}")
+    plot_bars({**adam["median_ms"], "bandwidth floor": adam["floor_ms"]}, out / "adam_step.png",
+              title=f"Adam step, {adam['numel'] / 1e6:.1f}M params, {adam['threads']} threads", ylabel="ms (median)")
+    (out / "results.json").write_text(json.dumps({"adam": adam}, indent=2), encoding="utf-8")
+    print(f"\nresults: {out / 'results.json'}, plot: {out / 'adam_step.png'}")
+    return {"adam": adam}

@@ -1,0 +1,107 @@
+"""The `zo` command: demo, estimate, bench, grade, check-config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .units import format_gb
+
+_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+
+
+def parse_count(text: str) -> int:
+    """'13B' -> 13_000_000_000, '350M' -> 350_000_000, '1e9' -> 1_000_000_000."""
+    text = text.strip().upper()
+    try:
+        if text and text[-1] in _SUFFIXES:
+            return int(float(text[:-1]) * _SUFFIXES[text[-1]])
+        return int(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a parameter count (e.g. 13B, 350M, 1e9)") from None
+
+
+def _estimate(args) -> int:
+    from .basics.memory import estimate_model_states
+
+    try:
+        est = estimate_model_states(args.params, stage=args.stage, world_size=args.world_size,
+                                    offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
+                                    precision=args.precision)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{args.params:,} parameters, {args.precision}, ZeRO stage {args.stage}, {args.world_size} rank(s), "
+          f"offload_optimizer={args.offload_optimizer}, offload_param={args.offload_param} — bytes per rank:")
+    print(est.table())
+    print(f"device {format_gb(est.device)}, host {format_gb(est.host)}, nvme {format_gb(est.nvme)} (1 GB = 1e9 B)")
+    return 0
+
+
+def _check_config(args) -> int:
+    from .config import ConfigError, load_config
+
+    try:
+        config = load_config(args.path, world_size=args.world_size)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(config.to_dict(), indent=2))
+    print(f"OK: {args.path} is valid for {args.world_size} rank(s); fingerprint {config.fingerprint()[:12]}",
+          file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zo", description="zero-offload: the course's engine and tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="the instructor's end-to-end demo (writes out/demo/report.md)")
+    demo.add_argument("--out", default="out/demo")
+    demo.add_argument("--steps", type=int, default=300)
+
+    est = sub.add_parser("estimate", help="model-state bytes per tier for a parameter count")
+    est.add_argument("params", type=parse_count, help="e.g. 13B, 350M, 1e9")
+    est.add_argument("--stage", type=int, default=0, choices=[0, 1, 2, 3])
+    est.add_argument("--world-size", type=int, default=1)
+    est.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"])
+    est.add_argument("--offload-param", default="none", choices=["none", "cpu", "nvme"])
+    est.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"])
+
+    bench = sub.add_parser("bench", help="benchmarks, reported as ratios from one run (out/bench/)")
+    bench.add_argument("--out", default="out/bench")
+    bench.add_argument("--numel", type=parse_count, default=16_700_000)
+    bench.add_argument("--repeats", type=int, default=10)
+
+    grade = sub.add_parser("grade", help="grade a lab: zo grade 1 [--lab-dir solutions]")
+    grade.add_argument("rest", nargs=argparse.REMAINDER)
+
+    check = sub.add_parser("check-config", help="validate a DeepSpeed-style JSON config and print it in full")
+    check.add_argument("path")
+    check.add_argument("--world-size", type=int, default=1)
+
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        run_demo(args.out, steps=args.steps)
+        return 0
+    if args.command == "estimate":
+        return _estimate(args)
+    if args.command == "bench":
+        from .bench import run_bench
+
+        run_bench(args.out, numel=args.numel, repeats=args.repeats)
+        return 0
+    if args.command == "grade":
+        from .grading import main as grade_main
+
+        return grade_main(args.rest)
+    if args.command == "check-config":
+        return _check_config(args)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Figures the demo, the lessons and the benchmarks save as files (English labels: see DESIGN.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: the demo runs on machines without a screen
+import matplotlib.pyplot as plt  # noqa: E402
+
+from .basics.memory import STATES, ModelStateBytes  # noqa: E402
+
+STATE_LABELS = {
+    "parameters": "weights (fp16/bf16, or fp32)",
+    "gradients": "gradients",
+    "master_weights": "fp32 master weights",
+    "exp_avg": "Adam momentum (fp32)",
+    "exp_avg_sq": "Adam variance (fp32)",
+}
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_model_states(estimates: Mapping[str, ModelStateBytes], path: str | Path, *, title: str,
+                      tiers: Sequence[str] = ("device", "host"), unit: float = 1e9, unit_name: str = "GB",
+                      capacity: float | None = None) -> Path:
+    """Stacked bars of model-state bytes per configuration, one panel per memory tier."""
+    labels = list(estimates)
+    fig, axes = plt.subplots(1, len(tiers), figsize=(5.2 * len(tiers), 4.2), sharey=True, squeeze=False)
+    for ax, tier in zip(axes[0], tiers, strict=True):
+        bottom = [0.0] * len(labels)
+        for state in STATES:
+            heights = [estimates[label].bytes[state][tier] / unit for label in labels]
+            ax.bar(labels, heights, bottom=bottom, label=STATE_LABELS[state])
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        for x, total in enumerate(bottom):
+            ax.text(x, total, f"{total:.0f}" if total >= 10 else f"{total:.2f}", ha="center", va="bottom", fontsize=8)
+        if capacity is not None and tier == "device":
+            ax.axhline(capacity / unit, color="black", linestyle="--", linewidth=1, label="device capacity")
+        ax.set_title(f"{tier} memory")
+        ax.set_ylabel(unit_name)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    axes[0][0].legend(fontsize=7, loc="upper right")
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def plot_losses(series: Mapping[str, Sequence[float]], path: str | Path, *, title: str) -> Path:
+    """Training loss against step, one line per run."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for label, losses in series.items():
+        ax.plot(range(1, len(losses) + 1), losses, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (cross-entropy, nats/byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_bars(values: Mapping[str, float], path: str | Path, *, title: str, ylabel: str) -> Path:
+    """One bar per label, its value printed on top (benchmarks)."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    labels = list(values)
+    ax.bar(labels, [values[k] for k in labels], color="tab:blue")
+    for x, label in enumerate(labels):
+        ax.text(x, values[label], f"{values[label]:.1f}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    return _save(fig, path)
