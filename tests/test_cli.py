@@ -1,0 +1,66 @@
+"""The `zo` command: estimates, config checks and the demo, as a user meets them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from zero_offload.cli import main, parse_count
+from zero_offload.demo import run_demo
+
+
+def test_estimate_13b(capsys):
+    assert main(["estimate", "13B"]) == 0
+    out = capsys.readouterr().out
+    assert "208.0 GB" in out and "master_weights" in out
+
+
+def test_estimate_with_offload(capsys):
+    assert main(["estimate", "13B", "--stage", "2", "--offload-optimizer", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "device 26.0 GB, host 208.0 GB" in out
+
+
+def test_estimate_rejects_an_impossible_combination(capsys):
+    assert main(["estimate", "1B", "--stage", "2", "--offload-param", "cpu"]) == 2
+    assert "stage 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, value", [("13B", 13 * 10**9), ("350M", 350 * 10**6), ("1.5e9", 1_500_000_000)])
+def test_parameter_counts(text, value):
+    assert parse_count(text) == value
+
+
+def test_check_config_reports_the_key_without_a_traceback(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"train_batch_size": 8, "zero_optimization": {"stagee": 2}}))
+    run = subprocess.run([sys.executable, "-m", "zero_offload.cli", "check-config", str(bad)],
+                         capture_output=True, text=True)
+    assert run.returncode == 2
+    assert "zero_optimization.stagee" in run.stderr and "did you mean 'stage'" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_check_config_prints_the_full_config(tmp_path, capsys):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"train_batch_size": 8, "fp16": {"enabled": True}}))
+    assert main(["check-config", str(good), "--world-size", "2"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["train_micro_batch_size_per_gpu"] == 4 and printed["fp16"]["loss_scale_window"] == 1000
+
+
+def test_grading_an_unknown_lab_fails_cleanly(capsys):
+    assert main(["grade", "9"]) == 2
+
+
+def test_demo_runs_end_to_end_and_writes_its_report(tmp_path):
+    report = run_demo(tmp_path, steps=6)
+    text = report.read_text()
+    assert "208.0 GB" in text and "offload_param" in text and "out of memory" in text
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["training"]["memory"]["estimated"] == results["training"]["memory"]["measured"]
+    for plot in ("memory_13b.png", "loss.png"):
+        assert (tmp_path / plot).stat().st_size > 10_000
