@@ -35,8 +35,14 @@ def test_out_of_memory_reads_like_cuda_and_names_the_fix():
     with pytest.raises(DeviceOutOfMemoryError) as err:
         accel.empty(2 * MiB, torch.uint8, category="optimizer_states")
     message = str(err.value)
-    for fragment in ("out of memory", "Tried to allocate 2.00 MiB", "Budget 3.00 MiB", "2.00 MiB already in use",
-                     "peak", "offload_optimizer"):
+    for fragment in (
+        "out of memory",
+        "Tried to allocate 2.00 MiB",
+        "Budget 3.00 MiB",
+        "2.00 MiB already in use",
+        "peak",
+        "offload_optimizer",
+    ):
         assert fragment in message
     assert isinstance(err.value, torch.OutOfMemoryError), "handlers written for CUDA must catch it too"
     assert accel.memory_stats().in_use == 2 * MiB, "a failed allocation must not be charged"

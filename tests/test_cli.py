@@ -29,7 +29,9 @@ def test_estimate_rejects_an_impossible_combination(capsys):
     assert "stage 3" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text, value", [("13B", 13 * 10**9), ("350M", 350 * 10**6), ("1.5e9", 1_500_000_000)])
+@pytest.mark.parametrize(
+    "text, value", [("13B", 13 * 10**9), ("350M", 350 * 10**6), ("1.5e9", 1_500_000_000)]
+)
 def test_parameter_counts(text, value):
     assert parse_count(text) == value
 
@@ -37,8 +39,9 @@ def test_parameter_counts(text, value):
 def test_check_config_reports_the_key_without_a_traceback(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"train_batch_size": 8, "zero_optimization": {"stagee": 2}}))
-    run = subprocess.run([sys.executable, "-m", "zero_offload.cli", "check-config", str(bad)],
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "zero_offload.cli", "check-config", str(bad)], capture_output=True, text=True
+    )
     assert run.returncode == 2
     assert "zero_optimization.stagee" in run.stderr and "did you mean 'stage'" in run.stderr
     assert "Traceback" not in run.stderr

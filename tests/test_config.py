@@ -39,12 +39,22 @@ ZERO2_OFFLOAD = {
     "gradient_accumulation_steps": 2,
     "gradient_clipping": 1.0,
     "steps_per_print": 100,
-    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
-             "hysteresis": 2, "min_loss_scale": 1},
-    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,
-                                              "weight_decay": 0.1}},
-    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 100, "total_num_steps": 1000,
-                                                      "warmup_max_lr": 3e-4}},
+    "fp16": {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": 12,
+        "loss_scale_window": 500,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
+    },
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {"warmup_num_steps": 100, "total_num_steps": 1000, "warmup_max_lr": 3e-4},
+    },
     "zero_optimization": {
         "stage": 2,
         "offload_optimizer": {"device": "cpu", "pin_memory": True},
@@ -82,97 +92,302 @@ STAGE2 = without(COURSE_INTRO, "zero_optimization.offload_param")
 
 # (id, config, world_size, key path in the error, fragment of the fix/explanation)
 BAD = [
-    ("typo", with_(STAGE2, "zero_optimization.stagee", 2), 1, "zero_optimization.stagee", "did you mean 'stage'"),
-    ("typo-top", with_(BASE, "gradient_cliping", 1.0), 1, "gradient_cliping", "did you mean 'gradient_clipping'"),
-    ("typo-offload", with_(STAGE2, "zero_optimization.offload_optimizer.pin_memroy", True), 1,
-     "zero_optimization.offload_optimizer.pin_memroy", "did you mean 'pin_memory'"),
-    ("stage-5", with_(BASE, "zero_optimization.stage", 5), 1, "zero_optimization.stage", "gradients and parameters"),
+    (
+        "typo",
+        with_(STAGE2, "zero_optimization.stagee", 2),
+        1,
+        "zero_optimization.stagee",
+        "did you mean 'stage'",
+    ),
+    (
+        "typo-top",
+        with_(BASE, "gradient_cliping", 1.0),
+        1,
+        "gradient_cliping",
+        "did you mean 'gradient_clipping'",
+    ),
+    (
+        "typo-offload",
+        with_(STAGE2, "zero_optimization.offload_optimizer.pin_memroy", True),
+        1,
+        "zero_optimization.offload_optimizer.pin_memroy",
+        "did you mean 'pin_memory'",
+    ),
+    (
+        "stage-5",
+        with_(BASE, "zero_optimization.stage", 5),
+        1,
+        "zero_optimization.stage",
+        "gradients and parameters",
+    ),
     ("course-intro", COURSE_INTRO, 1, "zero_optimization.offload_param.device", "stage 3"),
     ("course-intro-why", COURSE_INTRO, 1, "zero_optimization.offload_param.device", "not partitioned"),
-    ("fp16-and-bf16", {**BASE, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, 1, "bf16.enabled",
-     "choose one"),
-    ("fp16-and-bfloat16", {**BASE, "fp16": {"enabled": True}, "bfloat16": {"enabled": True}}, 1,
-     "bfloat16.enabled", "choose one"),
-    ("bf16-twice", {**BASE, "bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, 1, "bfloat16",
-     "keep only"),
-    ("batch-mismatch", {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
-                        "gradient_accumulation_steps": 2}, 2, "train_batch_size", "8 x gradient_accumulation_steps 2"),
+    (
+        "fp16-and-bf16",
+        {**BASE, "fp16": {"enabled": True}, "bf16": {"enabled": True}},
+        1,
+        "bf16.enabled",
+        "choose one",
+    ),
+    (
+        "fp16-and-bfloat16",
+        {**BASE, "fp16": {"enabled": True}, "bfloat16": {"enabled": True}},
+        1,
+        "bfloat16.enabled",
+        "choose one",
+    ),
+    (
+        "bf16-twice",
+        {**BASE, "bf16": {"enabled": True}, "bfloat16": {"enabled": True}},
+        1,
+        "bfloat16",
+        "keep only",
+    ),
+    (
+        "batch-mismatch",
+        {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2},
+        2,
+        "train_batch_size",
+        "8 x gradient_accumulation_steps 2",
+    ),
     ("batch-not-divisible", {"train_batch_size": 10}, 4, "train_batch_size", "world size 4 cannot divide"),
-    ("batch-micro-not-divisible", {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 6}, 2,
-     "train_batch_size", "choose a multiple of 12"),
-    ("batch-missing", {"gradient_accumulation_steps": 4}, 1, "train_batch_size", "train_micro_batch_size_per_gpu"),
+    (
+        "batch-micro-not-divisible",
+        {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 6},
+        2,
+        "train_batch_size",
+        "choose a multiple of 12",
+    ),
+    (
+        "batch-missing",
+        {"gradient_accumulation_steps": 4},
+        1,
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+    ),
     ("batch-zero", {"train_batch_size": 0}, 1, "train_batch_size", "> 0"),
-    ("stage-string", with_(BASE, "zero_optimization.stage", "2"), 1, "zero_optimization.stage", "without quotes"),
+    (
+        "stage-string",
+        with_(BASE, "zero_optimization.stage", "2"),
+        1,
+        "zero_optimization.stage",
+        "without quotes",
+    ),
     ("stage-bool", with_(BASE, "zero_optimization.stage", True), 1, "zero_optimization.stage", "an integer"),
-    ("fp16-power-float", with_(BASE, "fp16.initial_scale_power", 16.5), 1, "fp16.initial_scale_power",
-     "an integer"),
+    (
+        "fp16-power-float",
+        with_(BASE, "fp16.initial_scale_power", 16.5),
+        1,
+        "fp16.initial_scale_power",
+        "an integer",
+    ),
     ("fp16-list", with_(BASE, "fp16", [True]), 1, "fp16", "JSON object"),
     ("enabled-string", with_(BASE, "fp16.enabled", "true"), 1, "fp16.enabled", "true or false"),
-    ("lr-string", with_(BASE, "optimizer", {"type": "AdamW", "params": {"lr": "1e-3"}}), 1, "optimizer.params.lr",
-     "without quotes"),
+    (
+        "lr-string",
+        with_(BASE, "optimizer", {"type": "AdamW", "params": {"lr": "1e-3"}}),
+        1,
+        "optimizer.params.lr",
+        "without quotes",
+    ),
     ("auto", {"train_batch_size": "auto"}, 1, "train_batch_size", "Hugging Face Trainer"),
-    ("auto-nested", with_(BASE, "optimizer", {"type": "AdamW", "params": {"lr": "auto"}}), 1,
-     "optimizer.params.lr", "needs a concrete value"),
-    ("nvme-no-path", with_(STAGE2, "zero_optimization.offload_optimizer.device", "nvme"), 1,
-     "zero_optimization.offload_optimizer.nvme_path", "directory"),
-    ("bad-device", with_(STAGE2, "zero_optimization.offload_optimizer.device", "gpu"), 1,
-     "zero_optimization.offload_optimizer.device", "none, cpu, nvme"),
-    ("offload-stage0", with_(STAGE2, "zero_optimization.stage", 0), 1,
-     "zero_optimization.offload_optimizer.device", "use stage 2"),
-    ("param-ratio", with_(BASE, "zero_optimization", {"stage": 3, "offload_param": {"device": "cpu",
-                                                                                      "ratio": 0.5}}), 1,
-     "zero_optimization.offload_param.ratio", "offload_optimizer"),
-    ("ratio-range", with_(STAGE2, "zero_optimization.offload_optimizer.ratio", 1.5), 1,
-     "zero_optimization.offload_optimizer.ratio", "(0, 1]"),
+    (
+        "auto-nested",
+        with_(BASE, "optimizer", {"type": "AdamW", "params": {"lr": "auto"}}),
+        1,
+        "optimizer.params.lr",
+        "needs a concrete value",
+    ),
+    (
+        "nvme-no-path",
+        with_(STAGE2, "zero_optimization.offload_optimizer.device", "nvme"),
+        1,
+        "zero_optimization.offload_optimizer.nvme_path",
+        "directory",
+    ),
+    (
+        "bad-device",
+        with_(STAGE2, "zero_optimization.offload_optimizer.device", "gpu"),
+        1,
+        "zero_optimization.offload_optimizer.device",
+        "none, cpu, nvme",
+    ),
+    (
+        "offload-stage0",
+        with_(STAGE2, "zero_optimization.stage", 0),
+        1,
+        "zero_optimization.offload_optimizer.device",
+        "use stage 2",
+    ),
+    (
+        "param-ratio",
+        with_(BASE, "zero_optimization", {"stage": 3, "offload_param": {"device": "cpu", "ratio": 0.5}}),
+        1,
+        "zero_optimization.offload_param.ratio",
+        "offload_optimizer",
+    ),
+    (
+        "ratio-range",
+        with_(STAGE2, "zero_optimization.offload_optimizer.ratio", 1.5),
+        1,
+        "zero_optimization.offload_optimizer.ratio",
+        "(0, 1]",
+    ),
     ("optimizer-type", with_(BASE, "optimizer", {"type": "Lamb"}), 1, "optimizer.type", "Adam, AdamW"),
     ("optimizer-no-type", with_(BASE, "optimizer", {"params": {"lr": 1e-3}}), 1, "optimizer.type", "missing"),
-    ("adamw-not-w", with_(BASE, "optimizer", {"type": "AdamW", "params": {"adam_w_mode": False}}), 1,
-     "optimizer.params.adam_w_mode", "\"Adam\""),
-    ("amsgrad", with_(BASE, "optimizer", {"type": "Adam", "params": {"amsgrad": True}}), 1,
-     "optimizer.params.amsgrad", "not supported"),
-    ("max-grad-norm", with_(BASE, "optimizer", {"type": "Adam", "params": {"max_grad_norm": 1.0}}), 1,
-     "optimizer.params.max_grad_norm", "gradient_clipping"),
-    ("betas-three", with_(BASE, "optimizer", {"type": "Adam", "params": {"betas": [0.9, 0.99, 0.9]}}), 1,
-     "optimizer.params.betas", "two numbers"),
-    ("betas-range", with_(BASE, "optimizer", {"type": "Adam", "params": {"betas": [0.9, 1.0]}}), 1,
-     "optimizer.params.betas", "[0, 1)"),
-    ("lr-negative", with_(BASE, "optimizer", {"type": "Adam", "params": {"lr": -1}}), 1, "optimizer.params.lr",
-     "> 0"),
-    ("cpu-offload-legacy", with_(BASE, "zero_optimization", {"stage": 2, "cpu_offload": True}), 1,
-     "zero_optimization.cpu_offload", "offload_optimizer"),
-    ("device-memory", with_(BASE, "zero_offload.device_memory", "12 parsecs"), 1, "zero_offload.device_memory",
-     "512MiB"),
-    ("device-memory-bool", with_(BASE, "zero_offload.device_memory", True), 1, "zero_offload.device_memory",
-     "byte size"),
-    ("cpu-adam-impl", with_(BASE, "zero_offload.cpu_adam.impl", "avx512"), 1, "zero_offload.cpu_adam.impl",
-     "torch, naive, simd"),
-    ("threads-zero", with_(BASE, "zero_offload.cpu_adam.threads", 0), 1, "zero_offload.cpu_adam.threads", ">= 1"),
+    (
+        "adamw-not-w",
+        with_(BASE, "optimizer", {"type": "AdamW", "params": {"adam_w_mode": False}}),
+        1,
+        "optimizer.params.adam_w_mode",
+        '"Adam"',
+    ),
+    (
+        "amsgrad",
+        with_(BASE, "optimizer", {"type": "Adam", "params": {"amsgrad": True}}),
+        1,
+        "optimizer.params.amsgrad",
+        "not supported",
+    ),
+    (
+        "max-grad-norm",
+        with_(BASE, "optimizer", {"type": "Adam", "params": {"max_grad_norm": 1.0}}),
+        1,
+        "optimizer.params.max_grad_norm",
+        "gradient_clipping",
+    ),
+    (
+        "betas-three",
+        with_(BASE, "optimizer", {"type": "Adam", "params": {"betas": [0.9, 0.99, 0.9]}}),
+        1,
+        "optimizer.params.betas",
+        "two numbers",
+    ),
+    (
+        "betas-range",
+        with_(BASE, "optimizer", {"type": "Adam", "params": {"betas": [0.9, 1.0]}}),
+        1,
+        "optimizer.params.betas",
+        "[0, 1)",
+    ),
+    (
+        "lr-negative",
+        with_(BASE, "optimizer", {"type": "Adam", "params": {"lr": -1}}),
+        1,
+        "optimizer.params.lr",
+        "> 0",
+    ),
+    (
+        "cpu-offload-legacy",
+        with_(BASE, "zero_optimization", {"stage": 2, "cpu_offload": True}),
+        1,
+        "zero_optimization.cpu_offload",
+        "offload_optimizer",
+    ),
+    (
+        "device-memory",
+        with_(BASE, "zero_offload.device_memory", "12 parsecs"),
+        1,
+        "zero_offload.device_memory",
+        "512MiB",
+    ),
+    (
+        "device-memory-bool",
+        with_(BASE, "zero_offload.device_memory", True),
+        1,
+        "zero_offload.device_memory",
+        "byte size",
+    ),
+    (
+        "cpu-adam-impl",
+        with_(BASE, "zero_offload.cpu_adam.impl", "avx512"),
+        1,
+        "zero_offload.cpu_adam.impl",
+        "torch, naive, simd",
+    ),
+    (
+        "threads-zero",
+        with_(BASE, "zero_offload.cpu_adam.threads", 0),
+        1,
+        "zero_offload.cpu_adam.threads",
+        ">= 1",
+    ),
     ("fp16-power", with_(BASE, "fp16.initial_scale_power", 64), 1, "fp16.initial_scale_power", "[0, 64)"),
     ("fp16-window", with_(BASE, "fp16.loss_scale_window", 0), 1, "fp16.loss_scale_window", ">= 1"),
     ("fp16-min-scale", with_(BASE, "fp16.min_loss_scale", 0), 1, "fp16.min_loss_scale", "> 0"),
     ("fp16-auto-cast", with_(BASE, "fp16.auto_cast", True), 1, "fp16.auto_cast", "set it to false"),
-    ("fp16-master", with_(BASE, "fp16.fp16_master_weights_and_grads", True), 1,
-     "fp16.fp16_master_weights_and_grads", "fp32 master weights"),
-    ("amp", with_(BASE, "amp", {"enabled": True, "opt_level": "O1"}), 1, "amp.enabled", "\"fp16\""),
+    (
+        "fp16-master",
+        with_(BASE, "fp16.fp16_master_weights_and_grads", True),
+        1,
+        "fp16.fp16_master_weights_and_grads",
+        "fp32 master weights",
+    ),
+    ("amp", with_(BASE, "amp", {"enabled": True, "opt_level": "O1"}), 1, "amp.enabled", '"fp16"'),
     ("clipping", with_(BASE, "gradient_clipping", -1.0), 1, "gradient_clipping", ">= 0"),
-    ("bucket-fraction", with_(BASE, "zero_optimization.reduce_bucket_size", 1.5), 1,
-     "zero_optimization.reduce_bucket_size", "whole number"),
-    ("bucket-zero", with_(BASE, "zero_optimization.reduce_bucket_size", 0), 1,
-     "zero_optimization.reduce_bucket_size", "> 0"),
-    ("scheduler-type", with_(BASE, "scheduler", {"type": "OneCycle", "params": {}}), 1, "scheduler.type",
-     "WarmupLR"),
-    ("scheduler-total", with_(BASE, "scheduler", {"type": "WarmupCosineLR", "params": {}}), 1,
-     "scheduler.params.total_num_steps", "total number of optimizer steps"),
-    ("scheduler-param", with_(BASE, "scheduler", {"type": "WarmupLR", "params": {"cos_min_ratio": 0.1}}), 1,
-     "scheduler.params.cos_min_ratio", "allowed keys"),
-    ("scheduler-warmup-type", with_(BASE, "scheduler", {"type": "WarmupLR", "params": {"warmup_type": "exp"}}),
-     1, "scheduler.params.warmup_type", "log, linear"),
-    ("ckpt-partition", with_(BASE, "activation_checkpointing", {"partition_activations": True}), 1,
-     "activation_checkpointing.partition_activations", "not supported by zero_offload"),
-    ("ckpt-cpu", with_(BASE, "activation_checkpointing", {"cpu_checkpointing": True}), 1,
-     "activation_checkpointing.cpu_checkpointing", "not supported by zero_offload"),
-    ("delayed-start", with_(BASE, "zero_offload.delayed_param_update.start_step", -1), 1,
-     "zero_offload.delayed_param_update.start_step", ">= 0"),
+    (
+        "bucket-fraction",
+        with_(BASE, "zero_optimization.reduce_bucket_size", 1.5),
+        1,
+        "zero_optimization.reduce_bucket_size",
+        "whole number",
+    ),
+    (
+        "bucket-zero",
+        with_(BASE, "zero_optimization.reduce_bucket_size", 0),
+        1,
+        "zero_optimization.reduce_bucket_size",
+        "> 0",
+    ),
+    (
+        "scheduler-type",
+        with_(BASE, "scheduler", {"type": "OneCycle", "params": {}}),
+        1,
+        "scheduler.type",
+        "WarmupLR",
+    ),
+    (
+        "scheduler-total",
+        with_(BASE, "scheduler", {"type": "WarmupCosineLR", "params": {}}),
+        1,
+        "scheduler.params.total_num_steps",
+        "total number of optimizer steps",
+    ),
+    (
+        "scheduler-param",
+        with_(BASE, "scheduler", {"type": "WarmupLR", "params": {"cos_min_ratio": 0.1}}),
+        1,
+        "scheduler.params.cos_min_ratio",
+        "allowed keys",
+    ),
+    (
+        "scheduler-warmup-type",
+        with_(BASE, "scheduler", {"type": "WarmupLR", "params": {"warmup_type": "exp"}}),
+        1,
+        "scheduler.params.warmup_type",
+        "log, linear",
+    ),
+    (
+        "ckpt-partition",
+        with_(BASE, "activation_checkpointing", {"partition_activations": True}),
+        1,
+        "activation_checkpointing.partition_activations",
+        "not supported by zero_offload",
+    ),
+    (
+        "ckpt-cpu",
+        with_(BASE, "activation_checkpointing", {"cpu_checkpointing": True}),
+        1,
+        "activation_checkpointing.cpu_checkpointing",
+        "not supported by zero_offload",
+    ),
+    (
+        "delayed-start",
+        with_(BASE, "zero_offload.delayed_param_update.start_step", -1),
+        1,
+        "zero_offload.delayed_param_update.start_step",
+        ">= 0",
+    ),
     ("top-not-dict", [BASE], 1, "", "JSON object"),
     ("world-size", BASE, 0, "world_size", ">= 1"),
 ]
@@ -212,7 +427,11 @@ def test_conversion_errors_do_not_chain_a_traceback():
 
 def test_zero2_offload_config_loads_as_written():
     cfg = load_config(ZERO2_OFFLOAD, world_size=4)
-    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (64, 8, 2)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (
+        64,
+        8,
+        2,
+    )
     assert cfg.world_size == 4
     assert cfg.precision == "fp16" and cfg.fp16.dynamic and cfg.fp16.initial_scale_power == 12
     assert cfg.fp16.min_loss_scale == 1.0 and isinstance(cfg.fp16.min_loss_scale, float)
@@ -232,7 +451,11 @@ def test_zero2_offload_config_loads_as_written():
 
 def test_defaults():
     cfg = load_config({"train_micro_batch_size_per_gpu": 4})
-    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (4, 4, 1)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (
+        4,
+        4,
+        1,
+    )
     assert cfg.precision == "fp32" and cfg.fp16 == FP16Config() and not cfg.bf16.enabled
     assert cfg.optimizer == OptimizerConfig() and cfg.optimizer.adamw
     assert cfg.scheduler.type is None and dict(cfg.scheduler.params) == {}
@@ -243,18 +466,28 @@ def test_defaults():
     assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print == 10
 
 
-@pytest.mark.parametrize("given, world_size, expected", [
-    ({"train_batch_size": 64}, 4, (64, 16, 1)),
-    ({"train_micro_batch_size_per_gpu": 4}, 2, (8, 4, 1)),
-    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, 2, (64, 4, 8)),
-    ({"train_batch_size": 64, "gradient_accumulation_steps": 4}, 2, (64, 8, 4)),
-    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 2, (12, 2, 3)),
-    ({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 2,
-     (12, 2, 3)),
-])
+@pytest.mark.parametrize(
+    "given, world_size, expected",
+    [
+        ({"train_batch_size": 64}, 4, (64, 16, 1)),
+        ({"train_micro_batch_size_per_gpu": 4}, 2, (8, 4, 1)),
+        ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, 2, (64, 4, 8)),
+        ({"train_batch_size": 64, "gradient_accumulation_steps": 4}, 2, (64, 8, 4)),
+        ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 2, (12, 2, 3)),
+        (
+            {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3},
+            2,
+            (12, 2, 3),
+        ),
+    ],
+)
 def test_batch_sizes_are_derived(given, world_size, expected):
     cfg = load_config(given, world_size=world_size)
-    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == expected
+    assert (
+        cfg.train_batch_size,
+        cfg.train_micro_batch_size_per_gpu,
+        cfg.gradient_accumulation_steps,
+    ) == expected
 
 
 def test_config_file_on_disk(tmp_path):
@@ -278,8 +511,12 @@ def test_bad_config_files(tmp_path):
 
 
 def test_harmless_deepspeed_keys_warn_once_listing_all():
-    config = {**ZERO2_OFFLOAD, "wall_clock_breakdown": False, "tensorboard": {"enabled": False},
-              "zero_allow_untested_optimizer": True}
+    config = {
+        **ZERO2_OFFLOAD,
+        "wall_clock_breakdown": False,
+        "tensorboard": {"enabled": False},
+        "zero_allow_untested_optimizer": True,
+    }
     config = with_(config, "zero_optimization.reduce_scatter", True)
     config = with_(config, "zero_optimization.offload_optimizer.fast_init", False)
     config = with_(config, "optimizer.params.torch_adam", False)
@@ -288,9 +525,14 @@ def test_harmless_deepspeed_keys_warn_once_listing_all():
         cfg = load_config(config, world_size=4)
     assert len(caught) == 1 and caught[0].category is UserWarning
     message = str(caught[0].message)
-    for key in ("wall_clock_breakdown", "tensorboard", "zero_allow_untested_optimizer",
-                "zero_optimization.reduce_scatter", "zero_optimization.offload_optimizer.fast_init",
-                "optimizer.params.torch_adam"):
+    for key in (
+        "wall_clock_breakdown",
+        "tensorboard",
+        "zero_allow_untested_optimizer",
+        "zero_optimization.reduce_scatter",
+        "zero_optimization.offload_optimizer.fast_init",
+        "optimizer.params.torch_adam",
+    ):
         assert key in message
     assert caught[0].filename == __file__  # points at the caller, not inside config.py
     with pytest.warns(UserWarning, match="wall_clock_breakdown"):
@@ -312,10 +554,16 @@ def test_fingerprint_equal_for_equal_configs_and_different_otherwise():
     explicit = with_(ZERO2_OFFLOAD, "zero_optimization.reduce_bucket_size", 500_000_000)
     explicit = with_(explicit, "zero_optimization.sub_group_size", 1e9)
     assert load_config(explicit, world_size=4).fingerprint() == a.fingerprint()
-    changes = [("fp16.initial_scale_power", 13), ("optimizer.params.lr", 3.1e-4),
-               ("zero_optimization.offload_optimizer.pin_memory", False), ("zero_optimization.stage", 1),
-               ("scheduler.params.total_num_steps", 1001), ("zero_offload.seed", 1),
-               ("zero_offload.cpu_adam.impl", "simd"), ("gradient_clipping", 0.5)]
+    changes = [
+        ("fp16.initial_scale_power", 13),
+        ("optimizer.params.lr", 3.1e-4),
+        ("zero_optimization.offload_optimizer.pin_memory", False),
+        ("zero_optimization.stage", 1),
+        ("scheduler.params.total_num_steps", 1001),
+        ("zero_offload.seed", 1),
+        ("zero_offload.cpu_adam.impl", "simd"),
+        ("gradient_clipping", 0.5),
+    ]
     prints = {a.fingerprint()}
     for path, value in changes:
         prints.add(load_config(with_(ZERO2_OFFLOAD, path, value), world_size=4).fingerprint())
@@ -342,19 +590,31 @@ def test_to_dict_round_trips():
 
 
 def test_extension_section_and_round_trip():
-    config = {**BASE,
-              "activation_checkpointing": {"number_checkpoints": 4, "contiguous_memory_optimization": True},
-              "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp/nvme"},
-                                    "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
-              "bfloat16": {"enabled": True},
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear"}},
-              "optimizer": {"type": "AdamW", "params": {"lr": 2e-4}},
-              "zero_offload": {"device_memory": "512MiB", "cpu_adam": {"impl": "simd", "threads": 2},
-                               "delayed_param_update": {"enabled": True, "start_step": 0}, "seed": 7}}
+    config = {
+        **BASE,
+        "activation_checkpointing": {"number_checkpoints": 4, "contiguous_memory_optimization": True},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": "/tmp/nvme"},
+            "offload_optimizer": {"device": "cpu", "ratio": 0.5},
+        },
+        "bfloat16": {"enabled": True},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear"}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-4}},
+        "zero_offload": {
+            "device_memory": "512MiB",
+            "cpu_adam": {"impl": "simd", "threads": 2},
+            "delayed_param_update": {"enabled": True, "start_step": 0},
+            "seed": 7,
+        },
+    }
     cfg = load_config(config)
     assert cfg.precision == "bf16" and cfg.bf16.enabled
     assert cfg.activation_checkpointing.enabled and cfg.activation_checkpointing.number_checkpoints == 4
-    assert cfg.zero_optimization.offload_param.device == "nvme" and cfg.zero_optimization.offload_optimizer.ratio == 0.5
+    assert (
+        cfg.zero_optimization.offload_param.device == "nvme"
+        and cfg.zero_optimization.offload_optimizer.ratio == 0.5
+    )
     assert cfg.scheduler.params["warmup_max_lr"] == 2e-4  # WarmupLR warms up to the optimizer's lr
     ext = cfg.zero_offload
     assert ext.device_memory == 512 * 2**20 and ext.cpu_adam.threads == 2 and ext.seed == 7
@@ -386,7 +646,11 @@ def test_load_config_of_a_config():
     cfg = load_config({"train_batch_size": 64}, world_size=2)
     assert load_config(cfg, world_size=2) is cfg
     regrown = load_config(cfg, world_size=4)  # re-derived from the user's dict for the new world size
-    assert (regrown.world_size, regrown.train_micro_batch_size_per_gpu, regrown.train_batch_size) == (4, 16, 64)
+    assert (regrown.world_size, regrown.train_micro_batch_size_per_gpu, regrown.train_batch_size) == (
+        4,
+        16,
+        64,
+    )
     built = Config(train_batch_size=8, train_micro_batch_size_per_gpu=8, gradient_accumulation_steps=1)
     assert load_config(built, world_size=2).train_batch_size == 16
     with pytest.raises(ConfigError, match="world size 3 cannot divide"):

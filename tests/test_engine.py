@@ -15,8 +15,10 @@ BATCHES = ByteBatches(load_corpus(), 32, seed=3)
 
 
 def _config(precision="fp32", **extra):
-    config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-3,
-                                                                             "weight_decay": 0.01}}}
+    config = {
+        "train_batch_size": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-3, "weight_decay": 0.01}},
+    }
     if precision != "fp32":
         config[precision] = {"enabled": True}
     config.update(extra)
@@ -56,8 +58,11 @@ def test_fp32_engine_equals_plain_pytorch_with_clipping():
 def test_gradient_accumulation_equals_a_larger_batch():
     one, two = TinyGPT("nano"), TinyGPT("nano")
     big = zo.initialize(one, _config(), accelerator=EmulatedAccelerator())
-    small = zo.initialize(two, _config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2),
-                          accelerator=EmulatedAccelerator())
+    small = zo.initialize(
+        two,
+        _config(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2),
+        accelerator=EmulatedAccelerator(),
+    )
     _train(big, 5, micro=4)
     _train(small, 5, micro=2, accumulation=2)
     assert small.global_steps == big.global_steps == 5
@@ -77,8 +82,9 @@ def test_mixed_precision_states_are_where_and_what_they_should_be(precision):
     _train(engine, 1)
     grad_base = states.flat_grad.untyped_storage().data_ptr()
     engine.backward(lm_loss(*[engine(BATCHES.global_batch(9, 4)[0]), BATCHES.global_batch(9, 4)[1]]))
-    assert all(p.grad.untyped_storage().data_ptr() == grad_base for p in model.parameters()), \
+    assert all(p.grad.untyped_storage().data_ptr() == grad_base for p in model.parameters()), (
         "autograd must accumulate into the flat gradient buffer"
+    )
     torch.testing.assert_close(states.flat_param, states.master.to(low), rtol=0, atol=0)
 
 
@@ -123,7 +129,9 @@ def test_budget_smaller_than_model_states_fails_at_initialize_and_loses_nothing(
     assert "offload_optimizer" in str(err.value) and "Tried to allocate" in str(err.value)
     gc.collect()
     for name, p in model.named_parameters():
-        assert p.dtype == torch.float32 and torch.equal(p, before[name]), f"{name} was changed by a failed init"
+        assert p.dtype == torch.float32 and torch.equal(p, before[name]), (
+            f"{name} was changed by a failed init"
+        )
 
 
 def test_activations_over_budget_fail_in_forward_with_a_batch_hint():
@@ -134,7 +142,9 @@ def test_activations_over_budget_fail_in_forward_with_a_batch_hint():
         engine(torch.zeros(64, 32, dtype=torch.long))
     gc.collect()
     assert engine.accelerator.memory_stats().by_category["activations"] == 0
-    assert all(p.dtype == torch.float16 for p in model.parameters()), "an error mid-forward restores the weights"
+    assert all(p.dtype == torch.float16 for p in model.parameters()), (
+        "an error mid-forward restores the weights"
+    )
 
 
 def test_model_zero_grad_does_not_break_the_flat_gradients():
@@ -152,11 +162,14 @@ def test_backward_needs_a_scalar_loss():
         engine.backward(engine(x).sum(dim=-1))
 
 
-@pytest.mark.parametrize("extra, module", [
-    ({"zero_optimization": {"stage": 2}}, "module 2"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "module 3"),
-    ({"zero_offload": {"cpu_adam": {"impl": "simd"}}}, "module 4"),
-])
+@pytest.mark.parametrize(
+    "extra, module",
+    [
+        ({"zero_optimization": {"stage": 2}}, "module 2"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "module 3"),
+        ({"zero_offload": {"cpu_adam": {"impl": "simd"}}}, "module 4"),
+    ],
+)
 def test_configs_of_later_modules_say_which_module_brings_them(extra, module):
     with pytest.raises(NotImplementedError, match=module):
         zo.initialize(TinyGPT("nano"), _config(**extra), accelerator=EmulatedAccelerator())
@@ -164,7 +177,9 @@ def test_configs_of_later_modules_say_which_module_brings_them(extra, module):
 
 def test_naive_adam_implementation_trains_like_torch():
     a, b = TinyGPT("nano"), TinyGPT("nano")
-    naive = zo.initialize(a, _config(zero_offload={"cpu_adam": {"impl": "naive"}}), accelerator=EmulatedAccelerator())
+    naive = zo.initialize(
+        a, _config(zero_offload={"cpu_adam": {"impl": "naive"}}), accelerator=EmulatedAccelerator()
+    )
     fused = zo.initialize(b, _config(), accelerator=EmulatedAccelerator())
     _train(naive, 5)
     _train(fused, 5)

@@ -63,8 +63,11 @@ def test_batches_are_deterministic_and_micro_batches_tile_the_global_batch():
     x2, _ = data.global_batch(3, 8)
     assert torch.equal(x, x2) and torch.equal(x[:, 1:], y[:, :-1])
     assert not torch.equal(x, data.global_batch(4, 8)[0])
-    pieces = [data.micro_batch(3, 2, micro_step=k, rank=r, world_size=2, accumulation=2)[0]
-              for k in range(2) for r in range(2)]
+    pieces = [
+        data.micro_batch(3, 2, micro_step=k, rank=r, world_size=2, accumulation=2)[0]
+        for k in range(2)
+        for r in range(2)
+    ]
     assert torch.equal(torch.cat(pieces), x)
     with pytest.raises(ValueError, match="out of range"):
         data.micro_batch(3, 2, rank=2, world_size=2)

@@ -29,7 +29,9 @@ def copies(accel) -> None:
     pinned = accel.host_empty(numel, torch.float16, pin=True)
     pageable = torch.empty(numel, dtype=torch.float16)
     for name, host in (("pinned", pinned), ("pageable", pageable)):
-        print(f"{name:>8}: H2D {_bandwidth_gbs(dev, host):6.1f} GB/s, D2H {_bandwidth_gbs(host, dev):6.1f} GB/s")
+        print(
+            f"{name:>8}: H2D {_bandwidth_gbs(dev, host):6.1f} GB/s, D2H {_bandwidth_gbs(host, dev):6.1f} GB/s"
+        )
     stream = accel.new_stream()
     dev.fill_(1.5)
     done = stream.submit(lambda: pinned.copy_(dev, non_blocking=True))
@@ -40,7 +42,9 @@ def copies(accel) -> None:
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print("gpu-check: no CUDA device visible to torch; nothing to check (the emulated device needs none).")
+        print(
+            "gpu-check: no CUDA device visible to torch; nothing to check (the emulated device needs none)."
+        )
         return 0
     from zero_offload import initialize
     from zero_offload.accelerator import get_accelerator
@@ -75,8 +79,10 @@ def main() -> int:
         engine.step()
         losses.append(loss.item())
     torch.cuda.synchronize()
-    print(f"engine, real fp16 on {accel.device}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-          f"{(time.perf_counter() - started) / 20 * 1000:.1f} ms/step, {engine.skipped_steps} skipped")
+    print(
+        f"engine, real fp16 on {accel.device}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+        f"{(time.perf_counter() - started) / 20 * 1000:.1f} ms/step, {engine.skipped_steps} skipped"
+    )
     print(engine.memory_report())
     return 0
 

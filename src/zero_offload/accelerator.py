@@ -36,7 +36,15 @@ OFFLOAD_HINTS = {
     "activations": 'lower "train_micro_batch_size_per_gpu" (raise "gradient_accumulation_steps" to keep the '
     'global batch), or recompute activations with "activation_checkpointing"',
 }
-CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_states", "buckets", "activations", "other")
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "master_weights",
+    "optimizer_states",
+    "buckets",
+    "activations",
+    "other",
+)
 
 
 class DeviceOutOfMemoryError(torch.OutOfMemoryError):
@@ -200,7 +208,7 @@ class EmulatedAccelerator(Accelerator):
             f"Emulated device out of memory. Tried to allocate {format_bytes(nbytes)} for {category}. "
             f"Budget {format_bytes(self.capacity)}; {format_bytes(self._in_use)} already in use "
             f"({held or 'nothing'}); peak {format_bytes(self._peak)}. "
-            f"Hint: {hint}. Or raise the budget: ZO_DEVICE_MEMORY / \"zero_offload\": {{\"device_memory\": ...}}."
+            f'Hint: {hint}. Or raise the budget: ZO_DEVICE_MEMORY / "zero_offload": {{"device_memory": ...}}.'
         )
 
     def _track(self, tensor: torch.Tensor, nbytes: int, category: str) -> None:
@@ -341,7 +349,9 @@ class CudaAccelerator(Accelerator):
 
     def memory_stats(self) -> MemoryStats:
         return MemoryStats(
-            torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device), self.capacity
+            torch.cuda.memory_allocated(self.device),
+            torch.cuda.max_memory_allocated(self.device),
+            self.capacity,
         )
 
     def reset_peak(self) -> None:
@@ -363,7 +373,9 @@ def get_accelerator(device_memory: int | str | None = None) -> Accelerator:
             raise ValueError(f"ZO_DEVICE_MEMORY: {err}") from None
     capacity = None if device_memory is None else parse_bytes(device_memory)
     if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("ZO_DEVICE=cuda but torch sees no CUDA device; unset ZO_DEVICE to use the emulated one")
+        raise RuntimeError(
+            "ZO_DEVICE=cuda but torch sees no CUDA device; unset ZO_DEVICE to use the emulated one"
+        )
     if choice != "cpu" and torch.cuda.is_available():
         return CudaAccelerator(capacity)
     return EmulatedAccelerator(capacity)

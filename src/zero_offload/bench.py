@@ -54,13 +54,21 @@ def run_bench(out_dir: str | Path = "out/bench", *, numel: int = 16_700_000, rep
     out.mkdir(parents=True, exist_ok=True)
     adam = adam_implementations(numel, repeats)
     fused = adam["median_ms"]["torch.optim.Adam fused"]
-    print(f"\nAdam step over {adam['numel']:,} fp32 parameters, {adam['threads']} threads, median of {repeats}")
+    print(
+        f"\nAdam step over {adam['numel']:,} fp32 parameters, {adam['threads']} threads, median of {repeats}"
+    )
     print(f"{'implementation':<36}{'ms':>10}{'x fused':>10}{'Mparam/s':>12}")
     for name, ms in adam["median_ms"].items():
         print(f"{name:<36}{ms:>10.1f}{ms / fused:>10.2f}{adam['numel'] / ms / 1e3:>12.0f}")
-    print(f"{'memory-bandwidth floor (28 B/param)':<36}{adam['floor_ms']:>10.1f}{adam['floor_ms'] / fused:>10.2f}")
-    plot_bars({**adam["median_ms"], "bandwidth floor": adam["floor_ms"]}, out / "adam_step.png",
-              title=f"Adam step, {adam['numel'] / 1e6:.1f}M params, {adam['threads']} threads", ylabel="ms (median)")
+    print(
+        f"{'memory-bandwidth floor (28 B/param)':<36}{adam['floor_ms']:>10.1f}{adam['floor_ms'] / fused:>10.2f}"
+    )
+    plot_bars(
+        {**adam["median_ms"], "bandwidth floor": adam["floor_ms"]},
+        out / "adam_step.png",
+        title=f"Adam step, {adam['numel'] / 1e6:.1f}M params, {adam['threads']} threads",
+        ylabel="ms (median)",
+    )
     (out / "results.json").write_text(json.dumps({"adam": adam}, indent=2), encoding="utf-8")
     print(f"\nresults: {out / 'results.json'}, plot: {out / 'adam_step.png'}")
     return {"adam": adam}

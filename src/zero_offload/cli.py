@@ -19,23 +19,34 @@ def parse_count(text: str) -> int:
             return int(float(text[:-1]) * _SUFFIXES[text[-1]])
         return int(float(text))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a parameter count (e.g. 13B, 350M, 1e9)") from None
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a parameter count (e.g. 13B, 350M, 1e9)"
+        ) from None
 
 
 def _estimate(args) -> int:
     from .basics.memory import estimate_model_states
 
     try:
-        est = estimate_model_states(args.params, stage=args.stage, world_size=args.world_size,
-                                    offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
-                                    precision=args.precision)
+        est = estimate_model_states(
+            args.params,
+            stage=args.stage,
+            world_size=args.world_size,
+            offload_optimizer=args.offload_optimizer,
+            offload_param=args.offload_param,
+            precision=args.precision,
+        )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{args.params:,} parameters, {args.precision}, ZeRO stage {args.stage}, {args.world_size} rank(s), "
-          f"offload_optimizer={args.offload_optimizer}, offload_param={args.offload_param} — bytes per rank:")
+    print(
+        f"{args.params:,} parameters, {args.precision}, ZeRO stage {args.stage}, {args.world_size} rank(s), "
+        f"offload_optimizer={args.offload_optimizer}, offload_param={args.offload_param} — bytes per rank:"
+    )
     print(est.table())
-    print(f"device {format_gb(est.device)}, host {format_gb(est.host)}, nvme {format_gb(est.nvme)} (1 GB = 1e9 B)")
+    print(
+        f"device {format_gb(est.device)}, host {format_gb(est.host)}, nvme {format_gb(est.nvme)} (1 GB = 1e9 B)"
+    )
     return 0
 
 
@@ -48,8 +59,10 @@ def _check_config(args) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(config.to_dict(), indent=2))
-    print(f"OK: {args.path} is valid for {args.world_size} rank(s); fingerprint {config.fingerprint()[:12]}",
-          file=sys.stderr)
+    print(
+        f"OK: {args.path} is valid for {args.world_size} rank(s); fingerprint {config.fingerprint()[:12]}",
+        file=sys.stderr,
+    )
     return 0
 
 

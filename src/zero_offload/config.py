@@ -226,8 +226,14 @@ def _plain(value):
 # Reading one section: pop the keys we know, with type checks, then complain about whatever is left.
 
 _SIZE = "size"  # a count DeepSpeed users write as 5e8: an int, or a float with an integral value
-_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-               list: "a list", _SIZE: "a whole number such as 500000000 or 5e8"}
+_KIND_NAMES = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "a list",
+    _SIZE: "a whole number such as 500000000 or 5e8",
+}
 
 
 def _describe(value) -> str:
@@ -270,8 +276,16 @@ class _Section:
         self.known.add(name)
         return name in self.data
 
-    def get(self, name: str, kind, default=None, *, check: Callable[[Any], bool] | None = None,
-            need: str = "", optional: bool = False):
+    def get(
+        self,
+        name: str,
+        kind,
+        default=None,
+        *,
+        check: Callable[[Any], bool] | None = None,
+        need: str = "",
+        optional: bool = False,
+    ):
         """Pop `name`, check its type, then `check(value)`, whose rule `need` goes into the error."""
         if not self.has(name):
             return default
@@ -286,12 +300,17 @@ class _Section:
     def choice(self, name: str, allowed: tuple[str, ...], default: str | None = None) -> str:
         """One of `allowed`, matched case-insensitively, spelled as in `allowed`; required if no default."""
         if default is None and not self.has(name):
-            raise ConfigError(self.key(name), f"{self.key(name)} is missing; allowed values: {', '.join(allowed)}")
+            raise ConfigError(
+                self.key(name), f"{self.key(name)} is missing; allowed values: {', '.join(allowed)}"
+            )
         value = self.get(name, str, default)
         canonical = {a.lower(): a for a in allowed}.get(value.lower())
         if canonical is None:
-            raise ConfigError(self.key(name), f"{self.key(name)} = {json.dumps(value)} is not supported by "
-                                              f"zero_offload; allowed values: {', '.join(allowed)}")
+            raise ConfigError(
+                self.key(name),
+                f"{self.key(name)} = {json.dumps(value)} is not supported by "
+                f"zero_offload; allowed values: {', '.join(allowed)}",
+            )
         return canonical
 
     def section(self, name: str) -> _Section:
@@ -318,14 +337,20 @@ class _Section:
             close = difflib.get_close_matches(str(name), self.known, n=1)
             guess = f"; did you mean '{close[0]}'?" if close else ""
             where = f" in {self.path}" if self.path else ""
-            raise ConfigError(path, f"unknown key '{path}'{guess} allowed keys{where}: "
-                                    f"{', '.join(sorted(self.known - self.tolerated))}")
+            raise ConfigError(
+                path,
+                f"unknown key '{path}'{guess} allowed keys{where}: "
+                f"{', '.join(sorted(self.known - self.tolerated))}",
+            )
 
 
 def _find_auto(value, path: str = "") -> None:
     if value == "auto":
-        raise ConfigError(path, "'auto' is filled in by the Hugging Face Trainer integration; zero_offload "
-                                f"needs a concrete value for {path}")
+        raise ConfigError(
+            path,
+            "'auto' is filled in by the Hugging Face Trainer integration; zero_offload "
+            f"needs a concrete value for {path}",
+        )
     if isinstance(value, dict):
         for k, v in value.items():
             _find_auto(v, f"{path}.{k}" if path else str(k))
@@ -342,34 +367,68 @@ _POSITIVE = dict(check=lambda v: v > 0, need="> 0")
 _NON_NEGATIVE = dict(check=lambda v: v >= 0, need=">= 0")
 _AT_LEAST_1 = dict(check=lambda v: v >= 1, need=">= 1")
 
-_IGNORED_TOP = ("wall_clock_breakdown", "zero_allow_untested_optimizer", "dump_state", "prescale_gradients",
-                "gradient_predivide_factor", "communication_data_type", "tensorboard", "wandb", "csv_monitor",
-                "flops_profiler", "comms_logger", "memory_breakpoint", "sparse_gradients", "data_types",
-                "checkpoint", "zero_force_ds_cpu_optimizer")
-_IGNORED_ZERO = ("reduce_scatter", "allgather_partitions", "round_robin_gradients", "load_from_fp32_weights",
-                 "elastic_checkpoint", "ignore_unused_parameters", "stage3_prefetch_bucket_size",
-                 "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-                 "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-                 "memory_efficient_linear", "zero_hpz_partition_size", "zero_quantized_weights",
-                 "zero_quantized_gradients", "mics_shard_size", "use_multi_rank_bucket_allreduce",
-                 "log_trace_cache_warnings")
-_STAGES = ("0: nothing is sharded (plain data parallelism); 1: optimizer states are sharded; "
-           "2: optimizer states and gradients; 3: optimizer states, gradients and parameters")
+_IGNORED_TOP = (
+    "wall_clock_breakdown",
+    "zero_allow_untested_optimizer",
+    "dump_state",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "communication_data_type",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "flops_profiler",
+    "comms_logger",
+    "memory_breakpoint",
+    "sparse_gradients",
+    "data_types",
+    "checkpoint",
+    "zero_force_ds_cpu_optimizer",
+)
+_IGNORED_ZERO = (
+    "reduce_scatter",
+    "allgather_partitions",
+    "round_robin_gradients",
+    "load_from_fp32_weights",
+    "elastic_checkpoint",
+    "ignore_unused_parameters",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",
+    "memory_efficient_linear",
+    "zero_hpz_partition_size",
+    "zero_quantized_weights",
+    "zero_quantized_gradients",
+    "mics_shard_size",
+    "use_multi_rank_bucket_allreduce",
+    "log_trace_cache_warnings",
+)
+_STAGES = (
+    "0: nothing is sharded (plain data parallelism); 1: optimizer states are sharded; "
+    "2: optimizer states and gradients; 3: optimizer states, gradients and parameters"
+)
 
 
 def _fp16(s: _Section) -> FP16Config:
     s.refuse("auto_cast", "zero_offload does not autocast the forward pass; set it to false")
-    s.refuse("fp16_master_weights_and_grads",
-             "zero_offload always keeps fp32 master weights (they are what it offloads); set it to false")
+    s.refuse(
+        "fp16_master_weights_and_grads",
+        "zero_offload always keeps fp32 master weights (they are what it offloads); set it to false",
+    )
     out = FP16Config(
         enabled=s.get("enabled", bool, False),
         loss_scale=s.get("loss_scale", float, 0.0, **_NON_NEGATIVE),
-        initial_scale_power=s.get("initial_scale_power", int, 16, check=lambda v: 0 <= v < 64,
-                                  need="an integer in [0, 64)"),
+        initial_scale_power=s.get(
+            "initial_scale_power", int, 16, check=lambda v: 0 <= v < 64, need="an integer in [0, 64)"
+        ),
         loss_scale_window=s.get("loss_scale_window", int, 1000, **_AT_LEAST_1),
         hysteresis=s.get("hysteresis", int, 2, **_AT_LEAST_1),
         consecutive_hysteresis=s.get("consecutive_hysteresis", bool, False),
-        min_loss_scale=s.get("min_loss_scale", float, 1.0, **_POSITIVE))
+        min_loss_scale=s.get("min_loss_scale", float, 1.0, **_POSITIVE),
+    )
     s.done()
     return out
 
@@ -380,42 +439,68 @@ def _optimizer(s: _Section) -> OptimizerConfig:
     p = s.section("params")
     s.done()
     if p.has("max_grad_norm"):
-        raise ConfigError(p.key("max_grad_norm"), f"{p.key('max_grad_norm')}: clipping is not an optimizer "
-                                                  "parameter; use the top-level \"gradient_clipping\" instead")
+        raise ConfigError(
+            p.key("max_grad_norm"),
+            f"{p.key('max_grad_norm')}: clipping is not an optimizer "
+            'parameter; use the top-level "gradient_clipping" instead',
+        )
     p.refuse("amsgrad", "AMSGrad is not supported by zero_offload's Adam; remove it")
     p.ignore("torch_adam", "fused")
     betas = p.get("betas", list, [0.9, 0.999])
     betas = tuple(_convert(f"{p.key('betas')}[{i}]", b, float) for i, b in enumerate(betas))
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-        raise ConfigError(p.key("betas"), f"{p.key('betas')} must be two numbers [beta1, beta2] in [0, 1), "
-                                          f"got {list(betas)}")
-    out = OptimizerConfig(type=kind, lr=p.get("lr", float, 1e-3, **_POSITIVE), betas=betas,
-                          eps=p.get("eps", float, 1e-8, **_POSITIVE),
-                          weight_decay=p.get("weight_decay", float, 0.0, **_NON_NEGATIVE),
-                          # DeepSpeed's "Adam" decays weights the decoupled (AdamW) way unless told otherwise.
-                          adam_w_mode=p.get("adam_w_mode", bool, True),
-                          bias_correction=p.get("bias_correction", bool, True))
+        raise ConfigError(
+            p.key("betas"),
+            f"{p.key('betas')} must be two numbers [beta1, beta2] in [0, 1), got {list(betas)}",
+        )
+    out = OptimizerConfig(
+        type=kind,
+        lr=p.get("lr", float, 1e-3, **_POSITIVE),
+        betas=betas,
+        eps=p.get("eps", float, 1e-8, **_POSITIVE),
+        weight_decay=p.get("weight_decay", float, 0.0, **_NON_NEGATIVE),
+        # DeepSpeed's "Adam" decays weights the decoupled (AdamW) way unless told otherwise.
+        adam_w_mode=p.get("adam_w_mode", bool, True),
+        bias_correction=p.get("bias_correction", bool, True),
+    )
     p.done()
     if kind == "AdamW" and not out.adam_w_mode:
-        raise ConfigError(p.key("adam_w_mode"), f"{p.key('adam_w_mode')} = false contradicts type \"AdamW\"; "
-                                                "for L2-style decay write \"type\": \"Adam\" with adam_w_mode false")
+        raise ConfigError(
+            p.key("adam_w_mode"),
+            f'{p.key("adam_w_mode")} = false contradicts type "AdamW"; '
+            'for L2-style decay write "type": "Adam" with adam_w_mode false',
+        )
     return out
 
 
 _REQUIRED = None
-_WARMUP = {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 1000, "warmup_type": "log",
-           "last_batch_iteration": -1}
+_WARMUP = {
+    "warmup_min_lr": 0.0,
+    "warmup_max_lr": 1e-3,
+    "warmup_num_steps": 1000,
+    "warmup_type": "log",
+    "last_batch_iteration": -1,
+}
 _SCHEDULERS = {  # parameter names and defaults as DeepSpeed's schedulers have them
     "WarmupLR": _WARMUP,
     "WarmupDecayLR": {**_WARMUP, "total_num_steps": _REQUIRED},
-    "WarmupCosineLR": {"total_num_steps": _REQUIRED, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
-                       "cos_min_ratio": 1e-4, "warmup_type": "log", "last_batch_iteration": -1},
+    "WarmupCosineLR": {
+        "total_num_steps": _REQUIRED,
+        "warmup_min_ratio": 0.0,
+        "warmup_num_steps": 1000,
+        "cos_min_ratio": 1e-4,
+        "warmup_type": "log",
+        "last_batch_iteration": -1,
+    },
 }
 _RATIO = dict(check=lambda v: 0 <= v <= 1, need="in [0, 1]")
 _SCHEDULER_RULES = {
-    "warmup_min_lr": (float, _NON_NEGATIVE), "warmup_max_lr": (float, _POSITIVE),
-    "warmup_num_steps": (int, _POSITIVE), "total_num_steps": (int, _POSITIVE),
-    "warmup_min_ratio": (float, _RATIO), "cos_min_ratio": (float, _RATIO),
+    "warmup_min_lr": (float, _NON_NEGATIVE),
+    "warmup_max_lr": (float, _POSITIVE),
+    "warmup_num_steps": (int, _POSITIVE),
+    "total_num_steps": (int, _POSITIVE),
+    "warmup_min_ratio": (float, _RATIO),
+    "cos_min_ratio": (float, _RATIO),
     "last_batch_iteration": (int, dict(check=lambda v: v >= -1, need=">= -1 (-1 starts from the beginning)")),
 }
 
@@ -432,8 +517,11 @@ def _scheduler(s: _Section, lr: float) -> SchedulerConfig:
         if kind == "WarmupLR" and name == "warmup_max_lr":
             default = lr  # DeepSpeed's WarmupLR warms up to the optimizer's lr unless told otherwise
         if default is _REQUIRED and not p.has(name):
-            raise ConfigError(p.key(name), f"{p.key(name)} is required by {kind}: the decay must know when "
-                                           "training ends; set it to the total number of optimizer steps")
+            raise ConfigError(
+                p.key(name),
+                f"{p.key(name)} is required by {kind}: the decay must know when "
+                "training ends; set it to the total number of optimizer steps",
+            )
         kind_, rule = _SCHEDULER_RULES[name]
         params[name] = p.get(name, kind_, default, **rule)
     p.done()
@@ -442,24 +530,35 @@ def _scheduler(s: _Section, lr: float) -> SchedulerConfig:
 
 def _offload(s: _Section, is_param: bool) -> OffloadConfig:
     if is_param and s.has("ratio"):
-        raise ConfigError(s.key("ratio"), f"{s.key('ratio')}: ratio splits the optimizer step between CPU and "
-                                          "GPU, so it belongs in offload_optimizer; remove it here")
+        raise ConfigError(
+            s.key("ratio"),
+            f"{s.key('ratio')}: ratio splits the optimizer step between CPU and "
+            "GPU, so it belongs in offload_optimizer; remove it here",
+        )
     s.ignore("fast_init", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write")
-    out = OffloadConfig(device=s.choice("device", ("none", "cpu", "nvme"), "none"),
-                        nvme_path=s.get("nvme_path", str, None, optional=True),
-                        pin_memory=s.get("pin_memory", bool, False),
-                        buffer_count=s.get("buffer_count", int, 4, **_AT_LEAST_1),
-                        ratio=s.get("ratio", float, 1.0, check=lambda v: 0 < v <= 1, need="in (0, 1]"))
+    out = OffloadConfig(
+        device=s.choice("device", ("none", "cpu", "nvme"), "none"),
+        nvme_path=s.get("nvme_path", str, None, optional=True),
+        pin_memory=s.get("pin_memory", bool, False),
+        buffer_count=s.get("buffer_count", int, 4, **_AT_LEAST_1),
+        ratio=s.get("ratio", float, 1.0, check=lambda v: 0 < v <= 1, need="in (0, 1]"),
+    )
     s.done()
     if out.device == "nvme" and not out.nvme_path:
-        raise ConfigError(s.key("nvme_path"), f"{s.key('device')} is \"nvme\" but {s.key('nvme_path')} is not "
-                                              "set; give a directory on the NVMe drive for the swap files")
+        raise ConfigError(
+            s.key("nvme_path"),
+            f'{s.key("device")} is "nvme" but {s.key("nvme_path")} is not '
+            "set; give a directory on the NVMe drive for the swap files",
+        )
     return out
 
 
 def _zero(s: _Section) -> ZeroConfig:
-    s.refuse("cpu_offload", "this legacy key is gone; write \"offload_optimizer\": {\"device\": \"cpu\"} "
-                            "inside zero_optimization instead")
+    s.refuse(
+        "cpu_offload",
+        'this legacy key is gone; write "offload_optimizer": {"device": "cpu"} '
+        "inside zero_optimization instead",
+    )
     s.ignore(*_IGNORED_ZERO)
     out = ZeroConfig(
         stage=s.get("stage", int, 0, check=lambda v: v in (0, 1, 2, 3), need=f"0, 1, 2 or 3 ({_STAGES})"),
@@ -469,35 +568,47 @@ def _zero(s: _Section) -> ZeroConfig:
         contiguous_gradients=s.get("contiguous_gradients", bool, True),
         reduce_bucket_size=s.get("reduce_bucket_size", _SIZE, 500_000_000, **_POSITIVE),
         allgather_bucket_size=s.get("allgather_bucket_size", _SIZE, 500_000_000, **_POSITIVE),
-        sub_group_size=s.get("sub_group_size", _SIZE, 1_000_000_000, **_POSITIVE))
+        sub_group_size=s.get("sub_group_size", _SIZE, 1_000_000_000, **_POSITIVE),
+    )
     s.done()
     if out.offload_param.enabled and out.stage != 3:
         path = s.key("offload_param.device")
-        raise ConfigError(path, (
-            f"{path} is \"{out.offload_param.device}\" but zero_optimization.stage is {out.stage}; parameter "
-            "offload needs stage 3. At stages 1 and 2 every GPU keeps the full fp16 parameters (they are not "
-            "partitioned), so there is no parameter shard to offload: parameter offload is a ZeRO-3 feature "
-            "(ZeRO-Infinity). Fix: set \"stage\": 3, or drop offload_param and keep offload_optimizer with "
-            "stage 2 (ZeRO-Offload). The course introduction's example config pairs offload_param with "
-            "stage 2; DeepSpeed ignores or rejects that combination, and zero_offload rejects it."))
+        raise ConfigError(
+            path,
+            (
+                f'{path} is "{out.offload_param.device}" but zero_optimization.stage is {out.stage}; parameter '
+                "offload needs stage 3. At stages 1 and 2 every GPU keeps the full fp16 parameters (they are not "
+                "partitioned), so there is no parameter shard to offload: parameter offload is a ZeRO-3 feature "
+                '(ZeRO-Infinity). Fix: set "stage": 3, or drop offload_param and keep offload_optimizer with '
+                "stage 2 (ZeRO-Offload). The course introduction's example config pairs offload_param with "
+                "stage 2; DeepSpeed ignores or rejects that combination, and zero_offload rejects it."
+            ),
+        )
     if out.offload_optimizer.enabled and out.stage == 0:
         path = s.key("offload_optimizer.device")
-        raise ConfigError(path, f"{path} needs zero_optimization.stage >= 1, got stage 0; use stage 2 (on one "
-                                "GPU stage 2 shards nothing and offloads everything, as ZeRO-Offload does)")
+        raise ConfigError(
+            path,
+            f"{path} needs zero_optimization.stage >= 1, got stage 0; use stage 2 (on one "
+            "GPU stage 2 shards nothing and offloads everything, as ZeRO-Offload does)",
+        )
     return out
 
 
 def _activation_checkpointing(s: _Section) -> ActivationCheckpointingConfig:
     # Refused rather than ignored: a lesson that measures activation memory must not be misled.
     for name in ("partition_activations", "cpu_checkpointing"):
-        s.refuse(name, "not supported by zero_offload (it recomputes activations but does not partition "
-                       "or offload them); set it to false")
+        s.refuse(
+            name,
+            "not supported by zero_offload (it recomputes activations but does not partition "
+            "or offload them); set it to false",
+        )
     out = ActivationCheckpointingConfig(
         enabled=True,
         contiguous_memory_optimization=s.get("contiguous_memory_optimization", bool, False),
         number_checkpoints=s.get("number_checkpoints", int, None, optional=True, **_AT_LEAST_1),
         synchronize_checkpoint_boundary=s.get("synchronize_checkpoint_boundary", bool, False),
-        profile=s.get("profile", bool, False))
+        profile=s.get("profile", bool, False),
+    )
     s.done()
     return out
 
@@ -513,43 +624,65 @@ def _extension(s: _Section) -> ExtensionConfig:
             raise ConfigError(s.key("device_memory"), f"{s.key('device_memory')} must be more than 0 bytes")
     adam, delayed = s.section("cpu_adam"), s.section("delayed_param_update")
     out = ExtensionConfig(
-        device_memory=device_memory, seed=s.get("seed", int, 1234, **_NON_NEGATIVE),
-        cpu_adam=CpuAdamConfig(impl=adam.choice("impl", ("torch", "naive", "simd"), "torch"),
-                               threads=adam.get("threads", int, None, optional=True, **_AT_LEAST_1)),
+        device_memory=device_memory,
+        seed=s.get("seed", int, 1234, **_NON_NEGATIVE),
+        cpu_adam=CpuAdamConfig(
+            impl=adam.choice("impl", ("torch", "naive", "simd"), "torch"),
+            threads=adam.get("threads", int, None, optional=True, **_AT_LEAST_1),
+        ),
         delayed_param_update=DelayedParamUpdateConfig(
             enabled=delayed.get("enabled", bool, False),
-            start_step=delayed.get("start_step", int, 10, **_NON_NEGATIVE)))
+            start_step=delayed.get("start_step", int, 10, **_NON_NEGATIVE),
+        ),
+    )
     for section in (adam, delayed, s):
         section.done()
     return out
 
 
-def _batch_sizes(tbs: int | None, micro: int | None, gas: int | None, world_size: int) -> tuple[int, int, int]:
+def _batch_sizes(
+    tbs: int | None, micro: int | None, gas: int | None, world_size: int
+) -> tuple[int, int, int]:
     """DeepSpeed's rule: train_batch_size = micro batch per GPU x accumulation steps x world size."""
     ws = f"world size {world_size}"
     if tbs is None and micro is None:
-        raise ConfigError("train_batch_size", "set train_batch_size (the global batch) or "
-                                              "train_micro_batch_size_per_gpu (the batch of one forward pass)")
+        raise ConfigError(
+            "train_batch_size",
+            "set train_batch_size (the global batch) or "
+            "train_micro_batch_size_per_gpu (the batch of one forward pass)",
+        )
     if micro is None:
         gas = gas or 1
         if tbs % (gas * world_size):
-            raise ConfigError("train_batch_size", (
-                f"train_batch_size {tbs} is a global batch the {ws} cannot divide: {tbs} / (gradient_"
-                f"accumulation_steps {gas} x {ws}) is not whole; choose a multiple of {gas * world_size}"))
+            raise ConfigError(
+                "train_batch_size",
+                (
+                    f"train_batch_size {tbs} is a global batch the {ws} cannot divide: {tbs} / (gradient_"
+                    f"accumulation_steps {gas} x {ws}) is not whole; choose a multiple of {gas * world_size}"
+                ),
+            )
         micro = tbs // (gas * world_size)
     elif tbs is None:
         gas = gas or 1
         tbs = micro * gas * world_size
     elif gas is None:
         if tbs % (micro * world_size):
-            raise ConfigError("train_batch_size", (
-                f"train_batch_size {tbs} is not divisible by train_micro_batch_size_per_gpu {micro} x {ws} = "
-                f"{micro * world_size}; choose a multiple of {micro * world_size} or another micro batch"))
+            raise ConfigError(
+                "train_batch_size",
+                (
+                    f"train_batch_size {tbs} is not divisible by train_micro_batch_size_per_gpu {micro} x {ws} = "
+                    f"{micro * world_size}; choose a multiple of {micro * world_size} or another micro batch"
+                ),
+            )
         gas = tbs // (micro * world_size)
     if tbs != micro * gas * world_size:
-        raise ConfigError("train_batch_size", (
-            f"train_batch_size {tbs} != train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps "
-            f"{gas} x {ws} = {micro * gas * world_size}; fix one of them, or leave one out to have it derived"))
+        raise ConfigError(
+            "train_batch_size",
+            (
+                f"train_batch_size {tbs} != train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps "
+                f"{gas} x {ws} = {micro * gas * world_size}; fix one of them, or leave one out to have it derived"
+            ),
+        )
     return tbs, micro, gas
 
 
@@ -559,8 +692,10 @@ def _parse(data, world_size: int) -> Config:
     ignored: list[str] = []
     top = _Section(data, "", ignored)
     _find_auto(data)
-    batch = [top.get(k, int, None, **_POSITIVE) for k in
-             ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
+    batch = [
+        top.get(k, int, None, **_POSITIVE)
+        for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    ]
     if top.has("bf16") and top.has("bfloat16"):
         raise ConfigError("bfloat16", "both 'bf16' and its alias 'bfloat16' are present; keep only 'bf16'")
     bf16 = top.section("bfloat16" if "bfloat16" in top.data else "bf16")
@@ -568,11 +703,13 @@ def _parse(data, world_size: int) -> Config:
     bf16_config = BF16Config(enabled=bf16.get("enabled", bool, False))
     bf16.done()
     if top.has("amp"):
-        top.section("amp").refuse("enabled", "NVIDIA Apex AMP is not supported; use \"fp16\" or \"bf16\"")
+        top.section("amp").refuse("enabled", 'NVIDIA Apex AMP is not supported; use "fp16" or "bf16"')
         ignored.append("amp")  # its other keys are Apex options, meaningless while amp is off
     fp16 = _fp16(top.section("fp16"))
     optimizer = _optimizer(top.section("optimizer")) if top.has("optimizer") else OptimizerConfig()
-    scheduler = _scheduler(top.section("scheduler"), optimizer.lr) if top.has("scheduler") else SchedulerConfig()
+    scheduler = (
+        _scheduler(top.section("scheduler"), optimizer.lr) if top.has("scheduler") else SchedulerConfig()
+    )
     checkpointing = ActivationCheckpointingConfig()
     if top.has("activation_checkpointing"):
         checkpointing = _activation_checkpointing(top.section("activation_checkpointing"))
@@ -582,17 +719,34 @@ def _parse(data, world_size: int) -> Config:
     top.ignore(*_IGNORED_TOP)
     top.done()
     if fp16.enabled and bf16_config.enabled:
-        raise ConfigError(f"{bf16.path}.enabled", f"fp16.enabled and {bf16.path}.enabled are both true; choose "
-                                                  "one: bf16 where the GPU supports it (no loss scaling), else fp16")
+        raise ConfigError(
+            f"{bf16.path}.enabled",
+            f"fp16.enabled and {bf16.path}.enabled are both true; choose "
+            "one: bf16 where the GPU supports it (no loss scaling), else fp16",
+        )
     tbs, micro, gas = _batch_sizes(*batch, world_size)
     if ignored:
-        warnings.warn(f"zero_offload accepts but ignores these DeepSpeed settings: {', '.join(ignored)}",
-                      UserWarning, stacklevel=3)
-    return Config(train_batch_size=tbs, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas,
-                  world_size=world_size, gradient_clipping=clipping, fp16=fp16, bf16=bf16_config,
-                  optimizer=optimizer, scheduler=scheduler, zero_optimization=zero,
-                  activation_checkpointing=checkpointing, zero_offload=extension,
-                  steps_per_print=steps_per_print, source=json.loads(json.dumps(data)))
+        warnings.warn(
+            f"zero_offload accepts but ignores these DeepSpeed settings: {', '.join(ignored)}",
+            UserWarning,
+            stacklevel=3,
+        )
+    return Config(
+        train_batch_size=tbs,
+        train_micro_batch_size_per_gpu=micro,
+        gradient_accumulation_steps=gas,
+        world_size=world_size,
+        gradient_clipping=clipping,
+        fp16=fp16,
+        bf16=bf16_config,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        zero_optimization=zero,
+        activation_checkpointing=checkpointing,
+        zero_offload=extension,
+        steps_per_print=steps_per_print,
+        source=json.loads(json.dumps(data)),
+    )
 
 
 def load_config(source: dict | str | os.PathLike | Config, *, world_size: int = 1) -> Config:
@@ -612,9 +766,14 @@ def load_config(source: dict | str | os.PathLike | Config, *, world_size: int = 
         except OSError as err:
             raise ConfigError("", f"cannot read config file {name!r}: {err.strerror}") from None
         except json.JSONDecodeError as err:
-            raise ConfigError("", f"config file {name!r} is not valid JSON: {err.msg} at line {err.lineno} "
-                                  f"column {err.colno}") from None
+            raise ConfigError(
+                "",
+                f"config file {name!r} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}",
+            ) from None
         if not isinstance(source, dict):
-            raise ConfigError("", f"config file {name!r} must hold a JSON object {{...}} at the top level, "
-                                  f"got {type(source).__name__}")
+            raise ConfigError(
+                "",
+                f"config file {name!r} must hold a JSON object {{...}} at the top level, "
+                f"got {type(source).__name__}",
+            )
     return _parse(source, world_size)

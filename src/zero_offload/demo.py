@@ -44,17 +44,25 @@ def thirteen_billion(out: Path) -> dict:
         "stage 2 + offload, 1 GPU": dict(stage=2, offload_optimizer="cpu"),
         "stage 2, 8 GPUs": dict(stage=2, world_size=8),
         "stage 3, 8 GPUs": dict(stage=3, world_size=8),
-        "stage 3 + offload, 8 GPUs": dict(stage=3, world_size=8, offload_optimizer="cpu", offload_param="cpu"),
+        "stage 3 + offload, 8 GPUs": dict(
+            stage=3, world_size=8, offload_optimizer="cpu", offload_param="cpu"
+        ),
     }
     estimates = {label: estimate_model_states(n, **kw) for label, kw in configs.items()}
     print(f"{'configuration':<28}{'device':>12}{'host':>12}")
     for label, est in estimates.items():
         print(f"{label:<28}{format_gb(est.device):>12}{format_gb(est.host):>12}")
     print("16 bytes a parameter: 2 (fp16 weight) + 2 (fp16 gradient) + 4 (fp32 master) + 4 + 4 (Adam m, v).")
-    print(f"The course introduction says 13 x 12 = 156 GB: it forgets the fp32 master weights "
-          f"({format_gb(4 * n)}). Measured below on a real model.")
-    plot = plot_model_states(estimates, out / "memory_13b.png", capacity=80e9,
-                             title="13B parameters, fp16 Adam: model states per GPU")
+    print(
+        f"The course introduction says 13 x 12 = 156 GB: it forgets the fp32 master weights "
+        f"({format_gb(4 * n)}). Measured below on a real model."
+    )
+    plot = plot_model_states(
+        estimates,
+        out / "memory_13b.png",
+        capacity=80e9,
+        title="13B parameters, fp16 Adam: model states per GPU",
+    )
     return {"estimates": {k: v.as_dict() for k, v in estimates.items()}, "plot": plot.name}
 
 
@@ -73,12 +81,15 @@ def out_of_memory(budget: int) -> str:
     """Part 3: stage 0 under a device budget smaller than its model states runs out of memory."""
     cfg = gpt_config("small")
     need = estimate_model_states(cfg.num_params(), precision="fp16").device
-    _section(f"3. Stage 0: a {cfg.num_params() / 1e6:.1f}M-parameter GPT needs {format_bytes(need)} of model "
-             f"states; the device has {format_bytes(budget)}")
+    _section(
+        f"3. Stage 0: a {cfg.num_params() / 1e6:.1f}M-parameter GPT needs {format_bytes(need)} of model "
+        f"states; the device has {format_bytes(budget)}"
+    )
     model = TinyGPT(cfg)
     try:
-        initialize(model, {"train_batch_size": 8, "fp16": {"enabled": True}},
-                   accelerator=EmulatedAccelerator(budget))
+        initialize(
+            model, {"train_batch_size": 8, "fp16": {"enabled": True}}, accelerator=EmulatedAccelerator(budget)
+        )
     except DeviceOutOfMemoryError as err:
         print(f"OutOfMemoryError: {err}")
         return str(err)
@@ -88,15 +99,21 @@ def out_of_memory(budget: int) -> str:
 def train(out: Path, *, steps: int, budget: int, model_name: str = "tiny", batch: int = 8) -> dict:
     """Part 4: train the tiny GPT with fp16 on the emulated device; report memory and plot the loss."""
     cfg = gpt_config(model_name)
-    _section(f"4. Training a {cfg.num_params() / 1e6:.2f}M-parameter GPT on the course text: stage 0, fp16, "
-             f"device budget {format_bytes(budget)}")
+    _section(
+        f"4. Training a {cfg.num_params() / 1e6:.2f}M-parameter GPT on the course text: stage 0, fp16, "
+        f"device budget {format_bytes(budget)}"
+    )
     torch.manual_seed(0)
-    engine = initialize(TinyGPT(cfg), {
-        "train_batch_size": batch,
-        "fp16": {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 50},
-        "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
-    }, accelerator=EmulatedAccelerator(budget))
+    engine = initialize(
+        TinyGPT(cfg),
+        {
+            "train_batch_size": batch,
+            "fp16": {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 50},
+            "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        },
+        accelerator=EmulatedAccelerator(budget),
+    )
     data = ByteBatches(load_corpus(), cfg.seq_len)
     losses = []
     started = time.perf_counter()
@@ -112,14 +129,24 @@ def train(out: Path, *, steps: int, budget: int, model_name: str = "tiny", batch
     report = engine.memory_report()
     print(report)
     scales = [r["loss_scale"] for r in engine.history]
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps ({seconds / steps * 1000:.0f} ms/step); "
-          f"loss scale {scales[0]:g} -> {engine.scaler.scale:g}, {engine.skipped_steps} steps skipped on overflow")
+    print(
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps ({seconds / steps * 1000:.0f} ms/step); "
+        f"loss scale {scales[0]:g} -> {engine.scaler.scale:g}, {engine.skipped_steps} steps skipped on overflow"
+    )
     plot = plot_losses({"stage 0, fp16": losses}, out / "loss.png", title="Tiny GPT on the course text")
     return {
-        "params": engine.num_params, "steps": steps, "ms_per_step": seconds / steps * 1000,
-        "loss_first": losses[0], "loss_last": losses[-1], "skipped_steps": engine.skipped_steps,
-        "memory": {"estimated": report.estimated.as_dict(), "measured": report.measured.as_dict(),
-                   "device_peak": report.device.peak, "budget": budget},
+        "params": engine.num_params,
+        "steps": steps,
+        "ms_per_step": seconds / steps * 1000,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "skipped_steps": engine.skipped_steps,
+        "memory": {
+            "estimated": report.estimated.as_dict(),
+            "measured": report.measured.as_dict(),
+            "device_peak": report.device.peak,
+            "budget": budget,
+        },
         "plot": plot.name,
     }
 
@@ -127,21 +154,46 @@ def train(out: Path, *, steps: int, budget: int, model_name: str = "tiny", batch
 def write_report(out: Path, results: dict) -> Path:
     part1, part4 = results["thirteen_billion"], results["training"]
     lines = [
-        "# zero-offload demo report", "",
-        "## 1. Model states of a 13B model", "",
-        "| configuration | device | host |", "|---|---|---|",
-        *(f"| {k} | {format_gb(v['device'])} | {format_gb(v['host'])} |" for k, v in part1["estimates"].items()),
-        "", f"![13B model states]({part1['plot']})", "",
-        "## 2. The introduction's config", "", "```", results["introduction_config"], "```", "",
-        "## 3. Stage 0 out of memory", "", "```", results["out_of_memory"], "```", "",
-        "## 4. Training", "",
+        "# zero-offload demo report",
+        "",
+        "## 1. Model states of a 13B model",
+        "",
+        "| configuration | device | host |",
+        "|---|---|---|",
+        *(
+            f"| {k} | {format_gb(v['device'])} | {format_gb(v['host'])} |"
+            for k, v in part1["estimates"].items()
+        ),
+        "",
+        f"![13B model states]({part1['plot']})",
+        "",
+        "## 2. The introduction's config",
+        "",
+        "```",
+        results["introduction_config"],
+        "```",
+        "",
+        "## 3. Stage 0 out of memory",
+        "",
+        "```",
+        results["out_of_memory"],
+        "```",
+        "",
+        "## 4. Training",
+        "",
         f"{part4['params']:,} parameters, {part4['steps']} steps, {part4['ms_per_step']:.0f} ms/step; "
         f"loss {part4['loss_first']:.3f} -> {part4['loss_last']:.3f}; "
-        f"{part4['skipped_steps']} steps skipped on fp16 overflow.", "",
-        "| tier | estimated | measured |", "|---|---|---|",
-        *(f"| {t} | {format_bytes(part4['memory']['estimated'][t])} | {format_bytes(part4['memory']['measured'][t])} |"
-          for t in ("device", "host", "nvme")),
-        "", f"![loss]({part4['plot']})", "",
+        f"{part4['skipped_steps']} steps skipped on fp16 overflow.",
+        "",
+        "| tier | estimated | measured |",
+        "|---|---|---|",
+        *(
+            f"| {t} | {format_bytes(part4['memory']['estimated'][t])} | {format_bytes(part4['memory']['measured'][t])} |"
+            for t in ("device", "host", "nvme")
+        ),
+        "",
+        f"![loss]({part4['plot']})",
+        "",
     ]
     path = out / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")

@@ -60,8 +60,10 @@ def build_optimizer(config: Config, param: torch.Tensor, exp_avg: torch.Tensor, 
         optimizer = Adam([param], adamw=opt.adamw, **kwargs)
     else:
         if not opt.bias_correction:
-            raise ValueError('optimizer.params.bias_correction=false needs "zero_offload": '
-                             '{"cpu_adam": {"impl": "naive"}}; torch.optim.Adam always corrects the bias')
+            raise ValueError(
+                'optimizer.params.bias_correction=false needs "zero_offload": '
+                '{"cpu_adam": {"impl": "naive"}}; torch.optim.Adam always corrects the bias'
+            )
         cls = torch.optim.AdamW if opt.adamw else torch.optim.Adam
         optimizer = cls([param], fused=True, **kwargs)
     # Filled in before the first step, so the optimizer never allocates moments of its own behind our back.
@@ -88,7 +90,9 @@ class Engine:
         self.num_params = self.states.numel
         for buf in model.buffers():  # buffers (masks, running stats) follow the model to the device
             buf.data = buf.data.to(self.accelerator.device)
-        self.optimizer = build_optimizer(config, self.states.master, self.states.exp_avg, self.states.exp_avg_sq)
+        self.optimizer = build_optimizer(
+            config, self.states.master, self.states.exp_avg, self.states.exp_avg_sq
+        )
         if config.fp16.enabled:
             self.scaler = DynamicLossScaler.from_config(config.fp16)
         else:
@@ -165,7 +169,9 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Scale the loss (loss scale / accumulation steps) and accumulate gradients into the flat buffer."""
         if loss.dim() != 0:
-            raise ValueError(f"backward needs a scalar loss, got shape {tuple(loss.shape)}; reduce it first (mean)")
+            raise ValueError(
+                f"backward needs a scalar loss, got shape {tuple(loss.shape)}; reduce it first (mean)"
+            )
         self._reattach_grads()
         (loss.float() * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
         self.micro_steps += 1
@@ -185,7 +191,12 @@ class Engine:
             return
         states, scaler = self.states, self.scaler
         overflow = self.config.fp16.enabled and has_overflow(states.flat_grad)
-        record = {"step": self.global_steps, "loss_scale": scaler.scale, "overflow": overflow, "grad_norm": None}
+        record = {
+            "step": self.global_steps,
+            "loss_scale": scaler.scale,
+            "overflow": overflow,
+            "grad_norm": None,
+        }
         if overflow:
             # The update is skipped whole: master weights and moments are not touched.
             self.skipped_steps += 1
@@ -224,8 +235,11 @@ class Engine:
     def estimate_model_states(self):
         zero = self.config.zero_optimization
         return estimate_model_states(
-            self.num_params, stage=zero.stage, world_size=self.config.world_size,
-            offload_optimizer=zero.offload_optimizer.device, offload_param=zero.offload_param.device,
+            self.num_params,
+            stage=zero.stage,
+            world_size=self.config.world_size,
+            offload_optimizer=zero.offload_optimizer.device,
+            offload_param=zero.offload_param.device,
             precision=self.config.precision,
         )
 

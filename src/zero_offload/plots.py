@@ -30,9 +30,16 @@ def _save(fig, path: str | Path) -> Path:
     return path
 
 
-def plot_model_states(estimates: Mapping[str, ModelStateBytes], path: str | Path, *, title: str,
-                      tiers: Sequence[str] = ("device", "host"), unit: float = 1e9, unit_name: str = "GB",
-                      capacity: float | None = None) -> Path:
+def plot_model_states(
+    estimates: Mapping[str, ModelStateBytes],
+    path: str | Path,
+    *,
+    title: str,
+    tiers: Sequence[str] = ("device", "host"),
+    unit: float = 1e9,
+    unit_name: str = "GB",
+    capacity: float | None = None,
+) -> Path:
     """Stacked bars of model-state bytes per configuration, one panel per memory tier."""
     labels = list(estimates)
     fig, axes = plt.subplots(1, len(tiers), figsize=(5.2 * len(tiers), 4.2), sharey=True, squeeze=False)
@@ -43,7 +50,14 @@ def plot_model_states(estimates: Mapping[str, ModelStateBytes], path: str | Path
             ax.bar(labels, heights, bottom=bottom, label=STATE_LABELS[state])
             bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
         for x, total in enumerate(bottom):
-            ax.text(x, total, f"{total:.0f}" if total >= 10 else f"{total:.2f}", ha="center", va="bottom", fontsize=8)
+            ax.text(
+                x,
+                total,
+                f"{total:.0f}" if total >= 10 else f"{total:.2f}",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
         if capacity is not None and tier == "device":
             ax.axhline(capacity / unit, color="black", linestyle="--", linewidth=1, label="device capacity")
         ax.set_title(f"{tier} memory")

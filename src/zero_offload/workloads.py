@@ -110,7 +110,9 @@ class TinyGPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         seq = idx.shape[1]
         if seq > self.cfg.seq_len:
-            raise ValueError(f"sequence of {seq} tokens is longer than the model's seq_len {self.cfg.seq_len}")
+            raise ValueError(
+                f"sequence of {seq} tokens is longer than the model's seq_len {self.cfg.seq_len}"
+            )
         pos = torch.arange(seq, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
@@ -152,7 +154,9 @@ class ByteBatches:
         cut = int(len(corpus) * 0.9)
         self.data = corpus[:cut] if split == "train" else corpus[cut:]
         if len(self.data) <= seq_len + 1:
-            raise ValueError(f"the {split} corpus ({len(self.data)} bytes) is too short for seq_len {seq_len}")
+            raise ValueError(
+                f"the {split} corpus ({len(self.data)} bytes) is too short for seq_len {seq_len}"
+            )
         self.seq_len, self.seed = seq_len, seed
 
     def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,10 +165,20 @@ class ByteBatches:
         rows = torch.stack([self.data[s : s + self.seq_len + 1] for s in starts.tolist()]).long()
         return rows[:, :-1], rows[:, 1:]
 
-    def micro_batch(self, step: int, micro: int, *, micro_step: int = 0, rank: int = 0, world_size: int = 1,
-                    accumulation: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_batch(
+        self,
+        step: int,
+        micro: int,
+        *,
+        micro_step: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        accumulation: int = 1,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not (0 <= micro_step < accumulation and 0 <= rank < world_size):
-            raise ValueError(f"micro_step {micro_step} / rank {rank} out of range ({accumulation} x {world_size})")
+            raise ValueError(
+                f"micro_step {micro_step} / rank {rank} out of range ({accumulation} x {world_size})"
+            )
         x, y = self.global_batch(step, micro * accumulation * world_size)
         first = (micro_step * world_size + rank) * micro
         return x[first : first + micro], y[first : first + micro]

@@ -17,21 +17,32 @@ asserts that the task FAILS; other tasks may pass or fail. Example:
 
 MUTANTS: dict[str, list[tuple[str, str]]] = {
     "1.1": [
-        ("momentum without the (1 - beta1) factor", """
+        (
+            "momentum without the (1 - beta1) factor",
+            """
             exp_avg.mul_(beta1).add_(grad)
             exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        """),
-        ("variance of g instead of g * g", """
+        """,
+        ),
+        (
+            "variance of g instead of g * g",
+            """
             exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
             exp_avg_sq.mul_(beta2).add_(grad, alpha=1 - beta2)
-        """),
-        ("new tensors instead of in-place updates", """
+        """,
+        ),
+        (
+            "new tensors instead of in-place updates",
+            """
             exp_avg = beta1 * exp_avg + (1 - beta1) * grad
             exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
-        """),
+        """,
+        ),
     ],
     "1.2": [
-        ("no bias correction", """
+        (
+            "no bias correction",
+            """
             if weight_decay != 0:
                 if adamw:
                     param.mul_(1 - lr * weight_decay)
@@ -39,8 +50,11 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
                     grad = grad.add(param, alpha=weight_decay)
             update_moments(exp_avg, exp_avg_sq, grad, beta1, beta2)
             param.addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(eps), value=-lr)
-        """),
-        ("AdamW decay applied as Adam's L2 term", """
+        """,
+        ),
+        (
+            "AdamW decay applied as Adam's L2 term",
+            """
             if weight_decay != 0:
                 grad = grad.add(param, alpha=weight_decay)
             update_moments(exp_avg, exp_avg_sq, grad, beta1, beta2)
@@ -48,8 +62,11 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
             bias2 = 1 - beta2**step if bias_correction else 1.0
             denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(eps)
             param.addcdiv_(exp_avg, denom, value=-lr / bias1)
-        """),
-        ("eps inside the square root", """
+        """,
+        ),
+        (
+            "eps inside the square root",
+            """
             if weight_decay != 0:
                 if adamw:
                     param.mul_(1 - lr * weight_decay)
@@ -60,8 +77,11 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
             bias2 = 1 - beta2**step if bias_correction else 1.0
             denom = (exp_avg_sq / bias2 + eps).sqrt()
             param.addcdiv_(exp_avg, denom, value=-lr / bias1)
-        """),
-        ("L2 term added to the caller's gradient in place", """
+        """,
+        ),
+        (
+            "L2 term added to the caller's gradient in place",
+            """
             if weight_decay != 0:
                 if adamw:
                     param.mul_(1 - lr * weight_decay)
@@ -72,10 +92,13 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
             bias2 = 1 - beta2**step if bias_correction else 1.0
             denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(eps)
             param.addcdiv_(exp_avg, denom, value=-lr / bias1)
-        """),
+        """,
+        ),
     ],
     "1.3": [
-        ("the introduction's 12 bytes: no master weights", """
+        (
+            "the introduction's 12 bytes: no master weights",
+            """
             tier_of = {"none": "device", "cpu": "host", "nvme": "nvme"}
             low = 4 if precision == "fp32" else 2
             shard = math.ceil(num_params / world_size)
@@ -88,8 +111,11 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
             states = shard if stage >= 1 else num_params
             result.add("exp_avg", tier_of[offload_optimizer], 4 * states)
             result.add("exp_avg_sq", tier_of[offload_optimizer], 4 * states)
-        """),
-        ("stage 2 shards the weights too", """
+        """,
+        ),
+        (
+            "stage 2 shards the weights too",
+            """
             tier_of = {"none": "device", "cpu": "host", "nvme": "nvme"}
             low = 4 if precision == "fp32" else 2
             shard = math.ceil(num_params / world_size)
@@ -104,8 +130,11 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
                 result.add("master_weights", tier_of[offload_optimizer], 4 * states)
             result.add("exp_avg", tier_of[offload_optimizer], 4 * states)
             result.add("exp_avg_sq", tier_of[offload_optimizer], 4 * states)
-        """),
-        ("shards rounded down", """
+        """,
+        ),
+        (
+            "shards rounded down",
+            """
             tier_of = {"none": "device", "cpu": "host", "nvme": "nvme"}
             low = 4 if precision == "fp32" else 2
             shard = num_params // world_size
@@ -120,10 +149,13 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
                 result.add("master_weights", tier_of[offload_optimizer], 4 * states)
             result.add("exp_avg", tier_of[offload_optimizer], 4 * states)
             result.add("exp_avg_sq", tier_of[offload_optimizer], 4 * states)
-        """),
+        """,
+        ),
     ],
     "1.4": [
-        ("no hysteresis: back off at every overflow", """
+        (
+            "no hysteresis: back off at every overflow",
+            """
             if overflow:
                 self.scale = max(self.scale / self.scale_factor, self.min_scale)
                 self.good_steps = 0
@@ -131,8 +163,11 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
             self.good_steps += 1
             if self.good_steps % self.scale_window == 0:
                 self.scale *= self.scale_factor
-        """),
-        ("the good-step count survives an overflow", """
+        """,
+        ),
+        (
+            "the good-step count survives an overflow",
+            """
             if overflow:
                 if self.hysteresis_left <= 1:
                     self.scale = max(self.scale / self.scale_factor, self.min_scale)
@@ -145,8 +180,11 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
             if self.good_steps % self.scale_window == 0:
                 self.scale *= self.scale_factor
                 self.hysteresis_left = self.hysteresis
-        """),
-        ("the scale falls below min_loss_scale", """
+        """,
+        ),
+        (
+            "the scale falls below min_loss_scale",
+            """
             if overflow:
                 if self.hysteresis_left <= 1:
                     self.scale = self.scale / self.scale_factor
@@ -160,6 +198,7 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
             if self.good_steps % self.scale_window == 0:
                 self.scale *= self.scale_factor
                 self.hysteresis_left = self.hysteresis
-        """),
+        """,
+        ),
     ],
 }

@@ -73,7 +73,11 @@ def reference_moments(monkeypatch):
 
 
 def _reference_adam(p, grads, *, lr, betas, eps, wd, adamw, bias_correction=True):
-    p, m, v = p.double().clone(), torch.zeros_like(p, dtype=torch.float64), torch.zeros_like(p, dtype=torch.float64)
+    p, m, v = (
+        p.double().clone(),
+        torch.zeros_like(p, dtype=torch.float64),
+        torch.zeros_like(p, dtype=torch.float64),
+    )
     for t, g in enumerate(grads, start=1):
         g = g.double()
         if wd and adamw:
@@ -105,7 +109,9 @@ def test_bias_correction_can_be_turned_off(reference_moments):
     p0, g = _rand(100, seed=6), _rand(100, seed=7)
     p, m, v = p0.clone(), torch.zeros(100), torch.zeros(100)
     adam_update(p, g, m, v, step=1, lr=1e-2, eps=1e-3, bias_correction=False)
-    want = _reference_adam(p0, [g], lr=1e-2, betas=(0.9, 0.999), eps=1e-3, wd=0.0, adamw=False, bias_correction=False)
+    want = _reference_adam(
+        p0, [g], lr=1e-2, betas=(0.9, 0.999), eps=1e-3, wd=0.0, adamw=False, bias_correction=False
+    )
     torch.testing.assert_close(p.double(), want, rtol=1e-5, atol=1e-6)
 
 
@@ -236,8 +242,11 @@ def test_an_overflowing_step_changes_no_weight():
     import zero_offload as zo
 
     model = TinyGPT("nano")
-    config = {"train_batch_size": 2, "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    config = {
+        "train_batch_size": 2,
+        "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    }
     engine = zo.initialize(model, config, accelerator=EmulatedAccelerator())
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     engine.backward(engine(x).float().pow(2).mean())

@@ -22,7 +22,9 @@ import math
 import torch
 
 
-def update_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, beta1: float, beta2: float):
+def update_moments(
+    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, beta1: float, beta2: float
+):
     """Step 2: move the running means m (exp_avg) and v (exp_avg_sq) towards g and g*g, in place."""
     # BEGIN LAB 1.1: update the first and second moments in place
     # m <- beta1 * m + (1 - beta1) * g        a running mean of the gradient (momentum)
@@ -106,8 +108,15 @@ class Adam(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["step"] += 1
                 adam_update(
-                    param, param.grad, state["exp_avg"], state["exp_avg_sq"],
-                    step=int(state["step"].item()), lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                    weight_decay=group["weight_decay"], adamw=group["adamw"],
+                    param,
+                    param.grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    step=int(state["step"].item()),
+                    lr=group["lr"],
+                    betas=group["betas"],
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    adamw=group["adamw"],
                 )
         return loss

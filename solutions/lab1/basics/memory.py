@@ -42,7 +42,9 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 class ModelStateBytes:
     """Bytes of each model state in each tier: `bytes[state][tier]`."""
 
-    bytes: dict[str, dict[str, int]] = field(default_factory=lambda: {s: dict.fromkeys(TIERS, 0) for s in STATES})
+    bytes: dict[str, dict[str, int]] = field(
+        default_factory=lambda: {s: dict.fromkeys(TIERS, 0) for s in STATES}
+    )
 
     def add(self, state: str, tier: str, nbytes: int) -> None:
         self.bytes[state][tier] += int(nbytes)
@@ -110,7 +112,9 @@ def estimate_model_states(
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if offload_optimizer != "none" and stage == 0:
-        raise ValueError("offload_optimizer needs ZeRO stage >= 1 (use stage 2: on one GPU it offloads everything)")
+        raise ValueError(
+            "offload_optimizer needs ZeRO stage >= 1 (use stage 2: on one GPU it offloads everything)"
+        )
     if offload_param != "none" and stage != 3:
         raise ValueError("offload_param needs ZeRO stage 3: below it every rank keeps the full weights")
     result = ModelStateBytes()
@@ -186,7 +190,9 @@ class MemoryLedger:
         return result
 
     @classmethod
-    def from_torch(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryLedger:
+    def from_torch(
+        cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> MemoryLedger:
         """A ledger over a plain PyTorch model and optimizer (no engine): weights, .grad, exp_avg, exp_avg_sq.
 
         The model's own device is the "device" tier, even when that is the CPU.
@@ -214,12 +220,18 @@ class MemoryReport:
     num_params: int
 
     def __str__(self) -> str:
-        lines = [f"Model states of {self.num_params:,} parameters ({self.accelerator} device)",
-                 f"{'tier':<8}{'estimated':>14}{'measured':>14}"]
+        lines = [
+            f"Model states of {self.num_params:,} parameters ({self.accelerator} device)",
+            f"{'tier':<8}{'estimated':>14}{'measured':>14}",
+        ]
         for tier in TIERS:
-            lines.append(f"{tier:<8}{format_bytes(self.estimated.tier(tier)):>14}"
-                         f"{format_bytes(self.measured.tier(tier)):>14}")
+            lines.append(
+                f"{tier:<8}{format_bytes(self.estimated.tier(tier)):>14}"
+                f"{format_bytes(self.measured.tier(tier)):>14}"
+            )
         budget = "unlimited" if self.device.capacity is None else format_bytes(self.device.capacity)
-        lines.append(f"device now {format_bytes(self.device.in_use)}, peak {format_bytes(self.device.peak)}, "
-                     f"budget {budget} (peak includes activations and transient buffers)")
+        lines.append(
+            f"device now {format_bytes(self.device.in_use)}, peak {format_bytes(self.device.peak)}, "
+            f"budget {budget} (peak includes activations and transient buffers)"
+        )
         return "\n".join(lines)

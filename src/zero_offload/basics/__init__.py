@@ -5,7 +5,15 @@ from .memory import MemoryLedger, MemoryReport, ModelStateBytes, estimate_model_
 from .precision import DynamicLossScaler, MixedPrecisionStates, StaticLossScaler, has_overflow
 
 __all__ = [
-    "Adam", "adam_update", "update_moments",
-    "MemoryLedger", "MemoryReport", "ModelStateBytes", "estimate_model_states",
-    "DynamicLossScaler", "StaticLossScaler", "MixedPrecisionStates", "has_overflow",
+    "Adam",
+    "adam_update",
+    "update_moments",
+    "MemoryLedger",
+    "MemoryReport",
+    "ModelStateBytes",
+    "estimate_model_states",
+    "DynamicLossScaler",
+    "StaticLossScaler",
+    "MixedPrecisionStates",
+    "has_overflow",
 ]
