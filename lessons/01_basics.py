@@ -153,7 +153,7 @@ display(Image(filename=str(path)))
 
 # %%
 BATCH = 8
-TRAIN_STEPS = 3 if SMOKE else 20
+TRAIN_STEPS = 2 if SMOKE else 20
 fp16_config = {
     "train_batch_size": BATCH,
     "fp16": {"enabled": True},
@@ -189,7 +189,7 @@ print("\nmeasured == estimated, byte for byte")
 
 # %% [markdown]
 # 账本与估算逐字节相等，每参数正好 16 字节。报告最后一行的峰值（peak）比模型状态大，
-# 多出来的是激活值和 Adam 步里临时的 fp32 梯度，第 6 节再看激活值。
+# 多出来的是前向到反向之间的激活值（Adam 步里临时的 fp32 梯度更小，而且与激活值不同时存在），第 6 节再细看。
 #
 # 纯 fp32 训练呢？此时参数自己就是主权重，不再另存一份，但参数和梯度各占 4 字节，合计 4 + 4 + 4 + 4 = 16 字节，
 # 还是 16。`MemoryLedger.from_torch` 可以直接给普通的 PyTorch 模型和 `torch.optim.Adam` 记账：
@@ -212,7 +212,7 @@ print("(here 'device' is wherever the model lives: the CPU)")
 # 这里只看公式）：
 
 # %%
-print(adam_module.__doc__.split("\n\n")[1])
+print(adam_module.__doc__)
 
 # %% [markdown]
 # 先验证这个朴素实现与 PyTorch 一致：同一个初始权重、同一串 100 个随机梯度，分别交给
@@ -251,22 +251,21 @@ print(f"float32 machine epsilon:                               {torch.finfo(torc
 print(f"Adam vs AdamW (different optimizers!):  max|diff| / max|w| = {rel_diff(ours_l2, ours_w):.1e}")
 
 # %% [markdown]
-# 朴素实现与 PyTorch 的差别在 float32 舍入误差的量级（1e-7），而同样的超参数下 Adam 与 AdamW 相差约 3%：
-# 两者是**不同的优化器**，区别只在权重衰减放在哪里。
+# 朴素实现与 PyTorch 的差别在 float32 舍入误差的量级（机器精度 1.2e-7 附近），而同样的超参数下，
+# Adam 与 AdamW 的结果相差在 1e-2 量级：两者是**不同的优化器**，区别只在权重衰减放在哪里。
 #
 # - **Adam（L2 正则）**：`g ← g + wd·p`，衰减项混进梯度，随后进入 m 和 v，并被 √v 归一化；
 # - **AdamW（解耦衰减）**：`p ← p·(1 − lr·wd)`，直接收缩权重，m 和 v 看不到它。
 #
-# 归一化带来的后果很具体。下面两个权重都从 1.0 开始：第一个每步有标准差为 1 的梯度噪声，
-# 第二个梯度恒为 0（比如一行从没出现过的词嵌入）。
+# 归一化带来的后果很具体。下面两个权重都从 1.0 开始：第一个每步有标准差为 10 的梯度噪声（梯度大的参数），
+# 第二个梯度恒为 0（比如一行从没出现过的词嵌入）。第一行不加权重衰减，作为参照。
 
 # %%
 DECAY_STEPS = 100
-noise = [torch.tensor([float(torch.randn((), generator=gen)), 0.0]) for _ in range(DECAY_STEPS)]
-decay = dict(lr=1e-2, weight_decay=0.1)
-for label, adamw in (("Adam (L2)", False), ("AdamW", True)):
+noise = [torch.tensor([10 * float(torch.randn((), generator=gen)), 0.0]) for _ in range(DECAY_STEPS)]
+for label, adamw, wd in (("no decay", False, 0.0), ("Adam (L2)", False, 0.1), ("AdamW", True, 0.1)):
     p = torch.nn.Parameter(torch.ones(2))
-    opt = Adam([p], adamw=adamw, **decay)
+    opt = Adam([p], lr=1e-2, weight_decay=wd, adamw=adamw)
     for g in noise:
         p.grad = g.clone()
         opt.step()
@@ -275,9 +274,11 @@ for label, adamw in (("Adam (L2)", False), ("AdamW", True)):
 print(f"AdamW's pure decay would leave (1 - lr*wd)^{DECAY_STEPS} = {(1 - 1e-2 * 0.1) ** DECAY_STEPS:.3f}")
 
 # %% [markdown]
-# 在 Adam（L2）下，梯度为 0 的那个权重，其"梯度"只剩 `wd·p`，被 √v 归一化后每步都走满 lr 那么远，
-# 100 步就从 1.0 被拉到 0 附近；而有噪声的权重，衰减项被大梯度的 √v 稀释，几乎不起作用。
-# AdamW 对两者一视同仁：每步乘以 (1 − lr·wd)。这就是大模型训练普遍用 AdamW 的原因。
+# 在 Adam（L2）下，梯度为 0 的那个权重，其"梯度"只剩 `wd·p`，除以它自己的 √v 后是一个接近 1 的数，
+# 于是每步几乎走满 lr 那么远，被拉低得远比 AdamW 厉害；而有噪声的权重，衰减项 `wd·p` ≈ 0.1 与标准差为 10 的梯度
+# 相比微不足道，除以 √v 后几乎不起作用，结果与不加衰减相差无几。衰减的实际强度取决于梯度大小，
+# 这不是我们想要的正则化。AdamW 对两者一视同仁：每步乘以 (1 − lr·wd)，有噪声的权重也比不加衰减时小了约这个比例。
+# 这就是大模型训练普遍用 AdamW 的原因。
 #
 # **DeepSpeed 的约定**：配置里写 `"type": "Adam"` 时，DeepSpeed 默认 `adam_w_mode = true`，实际跑的是 AdamW；
 # 要真正的 L2 式 Adam，必须显式写 `"adam_w_mode": false`。本课程的配置加载器遵循同样的约定：
@@ -296,7 +297,7 @@ for opt_type, params in (
 #
 # fp16 只有 10 位尾数。在 1.0 附近，相邻两个 fp16 数的间距（1 个 ulp）是 2^-10 ≈ 9.8e-4。
 # 一次加法的结果要舍入到最近的可表示数，所以小于半个 ulp（≈ 4.9e-4）的增量直接被舍掉。
-# 训练后期，lr × 更新量常常就是 1e-4 这个量级。
+# 而 Adam 每步的更新幅度约等于学习率，大模型常用的学习率正是 1e-4 量级。
 
 # %%
 for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -325,14 +326,16 @@ print(f"exact after {UPDATES} updates: {1 + UPDATES * DELTA:.4f}")
 for label, values in traj.items():
     print(f"{label:<30} {values[-1]:.4f}")
 
-fig, ax = plt.subplots(figsize=(6.4, 3.8))
-for label, values in traj.items():
-    ax.plot(range(1, UPDATES + 1), values, label=label, drawstyle="steps-post")
-ax.set_xlabel("update")
-ax.set_ylabel("weight")
-ax.set_title(f"w <- w + {DELTA:g}, starting from 1.0")
-ax.grid(alpha=0.3)
-ax.legend()
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+for ax, last in zip(axes, (UPDATES, 30), strict=True):  # right: the first updates, to see the fp16 steps
+    for (label, values), style in zip(traj.items(), ("-", "--", "-"), strict=True):
+        ax.plot(range(1, last + 1), values[:last], style, label=label, drawstyle="steps-post")
+    ax.set_xlabel("update")
+    ax.set_ylabel("weight")
+    ax.grid(alpha=0.3)
+axes[0].set_title(f"w <- w + {DELTA:g}, starting from 1.0")
+axes[1].set_title(f"the first 30 updates (fp16 spacing at 1.0 = {torch.finfo(torch.float16).eps:.2e})")
+axes[0].legend()
 show(fig, "master_weights.png")
 
 # %% [markdown]
@@ -374,7 +377,7 @@ print("unscaled in fp32     ", [f"{v:.1e}" for v in (scaled.float() / S).tolist(
 # 对每一个被跳过的步，我们都检查 fp32 主权重和 Adam 的 m、v 是否逐位不变。
 
 # %%
-SCALE_STEPS = 20 if SMOKE else 40
+SCALE_STEPS = 6 if SMOKE else 40
 scale_config = {
     "train_batch_size": BATCH,
     "fp16": {"enabled": True, "initial_scale_power": 32},
@@ -470,24 +473,25 @@ except DeviceOutOfMemoryError as err:
 #
 # 激活值另算。模拟设备在前向期间用 PyTorch 的 saved-tensor hook 记录 autograd 为反向保存的每个张量，
 # 按**存储精度**计费（fp16 运行时每个元素 2 字节），反向用完后自动退还。在我们的 Transformer 块里，
-# 每层保存的张量加起来约是 16 个 b·s·h 大小的张量（b 批大小、s 序列长度、h 隐藏维度；推导见第 1 章），
+# 每层保存的张量加起来约是 16 个 b·s·h 大小的张量（b 批大小、s 序列长度、h 隐藏维度；推导见 `course/01-basics.md` 1.1.5 节），
 # 最后的 LayerNorm 再加 2 个。下面把实测值与这个估计比较：
 
 # %%
 def activation_bytes(batch: int) -> int:
+    """Device bytes charged for activations after the forward pass; checks that backward gives them back."""
     accel = EmulatedAccelerator()
     eng = zo.initialize(TinyGPT("tiny"), fp16_config, accelerator=accel)
-    x, _ = data.global_batch(0, batch)
-    logits = eng(x)  # the graph (and every saved activation) lives as long as `logits`
+    x, y = data.global_batch(0, batch)
+    logits = eng(x)
     charged = accel.memory_stats().by_category["activations"]
-    del logits
-    assert accel.memory_stats().by_category["activations"] == 0  # released with the graph
+    eng.backward(lm_loss(logits, y))  # backward frees what autograd saved
+    assert accel.memory_stats().by_category["activations"] == 0
     return charged
 
 
 cfg = TinyGPT("tiny").cfg
 print(f"{'batch':>5}{'measured':>14}{'2*(16L+2)*b*s*h':>18}{'ratio':>8}")
-for batch in (4, 8) if SMOKE else (4, 8, 16, 32):
+for batch in (4,) if SMOKE else (4, 8, 16, 32):
     measured = activation_bytes(batch)
     rough = 2 * (16 * cfg.n_layer + 2) * batch * cfg.seq_len * cfg.d_model
     print(f"{batch:>5}{format_bytes(measured):>14}{format_bytes(rough):>18}{measured / rough:>8.3f}")

@@ -160,3 +160,32 @@ def test_cuda_accelerator_streams_pinned_copies_and_stats(monkeypatch):
     event.wait()
     assert float(host[0]) == 3.0
     assert accel.memory_stats().in_use >= dev.numel() * 2
+
+
+def test_free_and_restore_storage_keep_the_tensor_and_the_books():
+    accel = EmulatedAccelerator(capacity=4 * MiB)
+    full = accel.empty(MiB // 2, torch.float16, category="parameters")  # 1 MiB
+    view = full[:16].view(4, 4)
+    accel.free_storage(full)
+    assert accel.memory_stats().in_use == 0 and full.untyped_storage().nbytes() == 0
+    assert full.shape == (MiB // 2,), "the tensor object and its shape survive"
+    accel.restore_storage(full)
+    full.fill_(2.0)
+    assert accel.memory_stats().in_use == MiB and accel.is_on_device(full)
+    assert float(view.sum()) == 32.0, "views see the refilled storage"
+    del full, view
+    gc.collect()
+    assert accel.memory_stats().in_use == 0, "released exactly once when the storage dies"
+    with pytest.raises(ValueError, match="not allocated"):
+        accel.free_storage(torch.empty(4))
+
+
+def test_a_forward_without_backward_gives_its_activations_back():
+    accel = EmulatedAccelerator()
+    w = torch.randn(256, 256, requires_grad=True)
+    with accel.activations():
+        y = torch.tanh(torch.randn(64, 256) @ w)
+    assert accel.memory_stats().by_category["activations"] > 0
+    del y
+    gc.collect()
+    assert accel.memory_stats().by_category["activations"] == 0

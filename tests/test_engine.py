@@ -165,7 +165,6 @@ def test_backward_needs_a_scalar_loss():
 @pytest.mark.parametrize(
     "extra, module",
     [
-        ({"zero_optimization": {"stage": 2}}, "module 2"),
         ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "module 3"),
         ({"zero_offload": {"cpu_adam": {"impl": "simd"}}}, "module 4"),
     ],

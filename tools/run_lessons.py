@@ -21,7 +21,7 @@ from pathlib import Path
 import jupytext
 import nbformat
 from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
 REPO = Path(__file__).resolve().parents[1]
 LESSONS = REPO / "lessons"
@@ -75,9 +75,10 @@ def execute(notebook, *, smoke: bool, timeout: int = CELL_TIMEOUT_S, progress: b
         env["ZO_SMOKE"] = "1"
     else:
         env.pop("ZO_SMOKE", None)
-    client = NotebookClient(notebook, timeout=timeout, kernel_name=KERNEL,
-                            resources={"metadata": {"path": str(LESSONS)}})
-    if progress:
+    client = NotebookClient(
+        notebook, timeout=timeout, kernel_name=KERNEL, resources={"metadata": {"path": str(LESSONS)}}
+    )
+    if progress and sys.stdout.isatty():  # a live counter on a terminal; logs get the per-notebook lines only
         start, total = time.monotonic(), sum(cell.cell_type == "code" for cell in notebook.cells)
         done = 0
 
@@ -90,7 +91,7 @@ def execute(notebook, *, smoke: bool, timeout: int = CELL_TIMEOUT_S, progress: b
     try:
         client.execute(env=env)
     finally:
-        if progress:
+        if progress and sys.stdout.isatty():
             print()
     return notebook
 
@@ -99,7 +100,7 @@ def run(source: Path, *, smoke: bool, progress: bool = True) -> tuple[float, Pat
     """Regenerate and execute one lesson; return the seconds it took and where the executed notebook is.
 
     In place the executed notebook replaces lessons/NAME.ipynb (also when a cell fails, so the error shows where
-    it happened); in smoke mode it goes to a new temporary directory. Raises CellExecutionError on failure.
+    it happened); in smoke mode it goes to a new temporary directory. Raises nbclient's errors on failure.
     """
     notebook = jupytext.read(source)
     target = notebook_path(source)
@@ -116,10 +117,16 @@ def run(source: Path, *, smoke: bool, progress: bool = True) -> tuple[float, Pat
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="lessons to run, e.g. 01_basics or 01 (default: all)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="set ZO_SMOKE=1 and execute into a temporary copy (committed notebooks untouched)")
-    parser.add_argument("--check-sync", action="store_true",
-                        help="execute nothing; exit 1 if any .ipynb's cell sources differ from its .py")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="set ZO_SMOKE=1 and execute into a temporary copy (committed notebooks untouched)",
+    )
+    parser.add_argument(
+        "--check-sync",
+        action="store_true",
+        help="execute nothing; exit 1 if any .ipynb's cell sources differ from its .py",
+    )
     args = parser.parse_args(argv)
     sources = lesson_sources(args.names)
     if not sources:
@@ -143,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.monotonic()
         try:
             seconds, written = run(source, smoke=args.smoke)
-        except CellExecutionError as err:
+        except (CellExecutionError, CellTimeoutError, DeadKernelError) as err:
             failed.append(source.stem)
             print(f"[{i}/{len(sources)}] {source.stem}: FAILED after {time.monotonic() - start:.1f} s\n{err}")
             continue

@@ -47,6 +47,15 @@ CATEGORIES = (
 )
 
 
+class _Allocation:
+    """One live block of emulated device memory."""
+
+    __slots__ = ("key", "nbytes", "category", "live")
+
+    def __init__(self, key: int, nbytes: int, category: str):
+        self.key, self.nbytes, self.category, self.live = key, nbytes, category, True
+
+
 class DeviceOutOfMemoryError(torch.OutOfMemoryError):
     """The emulated device's budget is exhausted; a subclass of torch's OOM so handlers catch both."""
 
@@ -150,6 +159,15 @@ class Accelerator:
     def is_on_device(self, tensor: torch.Tensor) -> bool:
         raise NotImplementedError
 
+    def free_storage(self, tensor: torch.Tensor) -> None:
+        """Give back the memory of a device tensor but keep the tensor (its shape, its views, autograd's
+        references to it) so that `restore_storage` can refill it: how ZeRO-3 releases a gathered layer."""
+        raise NotImplementedError
+
+    def restore_storage(self, tensor: torch.Tensor, category: str = "parameters") -> None:
+        """Allocate the memory of a tensor freed by `free_storage` again (its contents are undefined)."""
+        raise NotImplementedError
+
     def compute_dtype(self, storage_dtype: torch.dtype) -> torch.dtype:
         return storage_dtype
 
@@ -182,7 +200,7 @@ class EmulatedAccelerator(Accelerator):
         self.device = torch.device("cpu")
         self.capacity = capacity
         self._lock = threading.Lock()
-        self._by_storage: dict[int, tuple[int, str]] = {}  # storage data_ptr -> (bytes, category)
+        self._by_storage: dict[int, _Allocation] = {}  # storage data_ptr -> its live allocation
         self._by_category = dict.fromkeys(CATEGORIES, 0)
         self._in_use = self._peak = 0
         self._compute_copies: set[int] = set()
@@ -213,15 +231,17 @@ class EmulatedAccelerator(Accelerator):
 
     def _track(self, tensor: torch.Tensor, nbytes: int, category: str) -> None:
         storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        self._by_storage[key] = (nbytes, category)
+        allocation = _Allocation(storage.data_ptr(), nbytes, category)
+        self._by_storage[allocation.key] = allocation
         # Storage objects are unique per allocation, so the charge goes back exactly when the memory does,
         # however many views (p.data, p.grad) still point into it until then.
-        weakref.finalize(storage, self._untrack, key, nbytes, category)
+        weakref.finalize(storage, self._untrack, allocation)
 
-    def _untrack(self, key: int, nbytes: int, category: str) -> None:
-        self._by_storage.pop(key, None)
-        self._release(nbytes, category)
+    def _untrack(self, allocation: _Allocation) -> None:
+        if allocation.live:  # freed once: by free_storage() or when the storage dies, whichever comes first
+            allocation.live = False
+            self._by_storage.pop(allocation.key, None)
+            self._release(allocation.nbytes, allocation.category)
 
     # -- the interface ----------------------------------------------------------------------------------------
     def empty(self, shape, dtype: torch.dtype, *, category: str = "other") -> torch.Tensor:
@@ -240,6 +260,21 @@ class EmulatedAccelerator(Accelerator):
 
     def is_on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() in self._by_storage
+
+    def free_storage(self, tensor: torch.Tensor) -> None:
+        allocation = self._by_storage.get(tensor.untyped_storage().data_ptr())
+        if allocation is None:
+            raise ValueError(
+                "free_storage: this tensor was not allocated on the device (or is already freed)"
+            )
+        self._untrack(allocation)
+        tensor.untyped_storage().resize_(0)
+
+    def restore_storage(self, tensor: torch.Tensor, category: str = "parameters") -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        self._charge(nbytes, category)
+        tensor.untyped_storage().resize_(nbytes)
+        self._track(tensor, nbytes, category)
 
     def compute_dtype(self, storage_dtype: torch.dtype) -> torch.dtype:
         # Low-precision matmul has no fast path on CPUs without AVX-512 (fp16 14 GFLOP/s vs fp32 83 here), so
@@ -292,7 +327,9 @@ class _ChargeSavedTensors(torch.autograd.graph.saved_tensors_hooks):
             self.accel._charge(nbytes, "activations")
             self.live[key] = [0, nbytes]
         self.live[key][0] += 1
-        return _SavedHandle(self, key, tensor)
+        # Detached: a handle that held the tensor itself would close a reference cycle through autograd's graph
+        # that Python's collector cannot see, and a forward without backward would never give its bytes back.
+        return _SavedHandle(self, key, tensor.detach())
 
     @staticmethod
     def _unpack(packed):
@@ -343,6 +380,12 @@ class CudaAccelerator(Accelerator):
 
     def is_on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda
+
+    def free_storage(self, tensor: torch.Tensor) -> None:
+        tensor.untyped_storage().resize_(0)
+
+    def restore_storage(self, tensor: torch.Tensor, category: str = "parameters") -> None:
+        tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
 
     def new_stream(self, name: str = "zo-stream") -> _CudaStream:
         return _CudaStream(self.device)

@@ -1,8 +1,9 @@
 """The engine: composes the pieces of the five modules into `forward`, `backward`, `step`.
 
-This version trains with ZeRO stage 0 on one process: mixed precision with fp32 master weights, dynamic loss
-scaling, gradient clipping and accumulation, every model state in one flat buffer on the (real or emulated)
-device. Sharding, offload and overlap arrive module by module, each as a piece the engine composes.
+It keeps the training loop's logic (loss scaling, accumulation, overflow skips, clipping, the Adam step) and
+hands the model states to one object that decides where they live: module 1's `MixedPrecisionStates`
+(stage 0) or module 2's `ShardedStates` (stages 1-3). Offload and overlap arrive module by module, each as a
+piece the engine composes.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from .basics.precision import (
     DynamicLossScaler,
     MixedPrecisionStates,
     StaticLossScaler,
-    has_overflow,
     unique_parameters,
 )
 from .config import Config, load_config
+from .principles.comm import Comm
+from .principles.zero import ShardedStates
 
 # Pieces of the config that later modules of the course implement; until then a clear error beats a silent no-op.
 _NOT_YET = {
-    "zero_optimization.stage >= 1": "ZeRO sharding arrives with module 2 (principles, zero_offload.principles)",
     "offload": "CPU offload arrives with module 3 (implementation, zero_offload.implementation)",
     "scheduler": "learning-rate schedulers arrive with module 3 (implementation)",
     "simd": "the SIMD CPU Adam arrives with module 4 (tuning); use cpu_adam.impl 'torch' or 'naive'",
@@ -35,8 +36,6 @@ _NOT_YET = {
 def _check_supported(config: Config) -> None:
     zero = config.zero_optimization
     problems = []
-    if zero.stage >= 1:
-        problems.append(("zero_optimization.stage", _NOT_YET["zero_optimization.stage >= 1"]))
     if zero.offload_optimizer.enabled or zero.offload_param.enabled:
         problems.append(("zero_optimization.offload_*", _NOT_YET["offload"]))
     if config.scheduler.type is not None:
@@ -52,12 +51,12 @@ def _check_supported(config: Config) -> None:
         raise NotImplementedError(f"this version of zero_offload cannot run this config yet:\n{lines}")
 
 
-def build_optimizer(config: Config, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor):
-    """The Adam that updates the fp32 `param`, with its moments living in the buffers we allocated."""
+def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: list):
+    """The Adam that updates the fp32 `params`, with its moments living in the buffers the states allocated."""
     opt, impl = config.optimizer, config.zero_offload.cpu_adam.impl
     kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
     if impl == "naive":
-        optimizer = Adam([param], adamw=opt.adamw, **kwargs)
+        optimizer = Adam(params, adamw=opt.adamw, **kwargs)
     else:
         if not opt.bias_correction:
             raise ValueError(
@@ -65,13 +64,14 @@ def build_optimizer(config: Config, param: torch.Tensor, exp_avg: torch.Tensor, 
                 '{"cpu_adam": {"impl": "naive"}}; torch.optim.Adam always corrects the bias'
             )
         cls = torch.optim.AdamW if opt.adamw else torch.optim.Adam
-        optimizer = cls([param], fused=True, **kwargs)
+        optimizer = cls(params, fused=True, **kwargs)
     # Filled in before the first step, so the optimizer never allocates moments of its own behind our back.
-    optimizer.state[param] = {
-        "step": torch.zeros((), dtype=torch.float32, device=param.device),
-        "exp_avg": exp_avg,
-        "exp_avg_sq": exp_avg_sq,
-    }
+    for param, exp_avg, exp_avg_sq in zip(params, exp_avgs, exp_avg_sqs, strict=True):
+        optimizer.state[param] = {
+            "step": torch.zeros((), dtype=torch.float32, device=param.device),
+            "exp_avg": exp_avg,
+            "exp_avg_sq": exp_avg_sq,
+        }
     return optimizer
 
 
@@ -83,27 +83,37 @@ class Engine:
         self.config = config
         self.accelerator = accelerator or get_accelerator(config.zero_offload.device_memory)
         self.model = model
-        self.params = unique_parameters(model)
-        if not self.params:
+        self.comm = Comm()
+        if self.comm.world_size != config.world_size:
+            raise ValueError(
+                f"the config was loaded for {config.world_size} rank(s) but {self.comm.world_size} are running; "
+                "pass the config through zo.initialize so that it reads the world size itself"
+            )
+        self.comm.check_same("configs", config.fingerprint())
+        if not unique_parameters(model):
             raise ValueError("the model has no trainable parameters")
-        self.states = MixedPrecisionStates(self.params, self.accelerator, config.precision)
+        stage = config.zero_optimization.stage
+        if stage == 0:
+            self.states = MixedPrecisionStates(
+                unique_parameters(model), self.accelerator, config.precision, self.comm
+            )
+        else:
+            self.states = ShardedStates(
+                model, self.accelerator, config.precision, stage, self.comm, config.zero_optimization
+            )
+        self.params = self.states.params
         self.num_params = self.states.numel
         for buf in model.buffers():  # buffers (masks, running stats) follow the model to the device
             buf.data = buf.data.to(self.accelerator.device)
         self.optimizer = build_optimizer(
-            config, self.states.master, self.states.exp_avg, self.states.exp_avg_sq
+            config, self.states.master_params, self.states.exp_avgs, self.states.exp_avg_sqs
         )
         if config.fp16.enabled:
             self.scaler = DynamicLossScaler.from_config(config.fp16)
         else:
             self.scaler = StaticLossScaler(1.0)  # bf16 and fp32 have fp32's exponent range: no scaling
         self.ledger = MemoryLedger(self.accelerator)
-        self.ledger.record("parameters", self.states.flat_param)
-        self.ledger.record("gradients", self.states.flat_grad)
-        if self.states.master is not self.states.flat_param:
-            self.ledger.record("master_weights", self.states.master)
-        self.ledger.record("exp_avg", self.states.exp_avg)
-        self.ledger.record("exp_avg_sq", self.states.exp_avg_sq)
+        self.states.record(self.ledger)
         self._upcast = self.accelerator.compute_dtype(self.states.dtype) != self.states.dtype
         if self._upcast:
             self._install_upcast_hooks()
@@ -167,30 +177,23 @@ class Engine:
         return self.micro_steps % self.gradient_accumulation_steps == 0
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Scale the loss (loss scale / accumulation steps) and accumulate gradients into the flat buffer."""
+        """Scale the loss (loss scale / accumulation steps) and accumulate gradients where the states keep them."""
         if loss.dim() != 0:
             raise ValueError(
                 f"backward needs a scalar loss, got shape {tuple(loss.shape)}; reduce it first (mean)"
             )
-        self._reattach_grads()
+        self.states.before_backward()
         (loss.float() * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
+        self.states.after_backward()
         self.micro_steps += 1
 
-    def _reattach_grads(self) -> None:
-        # model.zero_grad() sets .grad to None; the flat buffer stays the home of every gradient.
-        offset = 0
-        for param in self.params:
-            n = param.numel()
-            if param.grad is None:
-                param.grad = self.states.flat_grad[offset : offset + n].view_as(param)
-            offset += n
-
     def step(self) -> None:
-        """At an accumulation boundary: unscale, check overflow, clip, update, copy back; else do nothing."""
+        """At an accumulation boundary: reduce, check overflow, unscale, clip, update, publish; else nothing."""
         if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
             return
         states, scaler = self.states, self.scaler
-        overflow = self.config.fp16.enabled and has_overflow(states.flat_grad)
+        states.reduce_gradients()
+        overflow = self.config.fp16.enabled and states.overflow()  # true on every rank if true on any
         record = {
             "step": self.global_steps,
             "loss_scale": scaler.scale,
@@ -209,24 +212,21 @@ class Engine:
 
     def _update(self, record: dict) -> None:
         states = self.states
-        if states.flat_grad.dtype == torch.float32:
-            grad = states.flat_grad
-        else:
-            # A transient fp32 gradient, charged to the device while it lives (a GPU holds it too).
-            grad = self.accelerator.empty(states.numel, torch.float32, category="gradients")
-            grad.copy_(states.flat_grad)
+        grads = states.fp32_gradients()
         factor = 1.0 / self.scaler.scale
-        norm = float(grad.norm(2)) * factor
+        norm = states.grad_norm(grads) * factor
         record["grad_norm"] = norm
         clip = self.config.gradient_clipping
         if clip > 0 and norm > clip:
             factor *= clip / (norm + 1e-6)
-        if factor != 1.0:
-            grad.mul_(factor)
-        states.master.grad = grad
+        for param, grad in zip(states.master_params, grads, strict=True):
+            if factor != 1.0:
+                grad.mul_(factor)
+            param.grad = grad
         self.optimizer.step()
-        states.master.grad = None
-        states.copy_master_to_params()
+        for param in states.master_params:
+            param.grad = None
+        states.publish()
 
     def zero_grad(self) -> None:
         self.states.zero_grad()

@@ -124,12 +124,13 @@ class MixedPrecisionStates:
     `.data` and `.grad` become views into them, so autograd accumulates gradients straight into the flat buffer.
     In fp16/bf16 runs `master` is a separate fp32 copy; in fp32 runs the parameters are their own master.
     `exp_avg` and `exp_avg_sq` are Adam's moments, fp32, allocated here so that every byte is accounted for.
+    With several ranks (plain data parallelism) the gradients are averaged with an all-reduce before the step.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], accel: Accelerator, precision: str):
+    def __init__(self, params: list[torch.nn.Parameter], accel: Accelerator, precision: str, comm=None):
         if precision not in LOW_PRECISION:
             raise ValueError(f"precision must be one of {sorted(LOW_PRECISION)}, got {precision!r}")
-        self.params, self.accel, self.precision = params, accel, precision
+        self.params, self.accel, self.precision, self.comm = params, accel, precision, comm
         self.dtype = LOW_PRECISION[precision]
         self.numel = sum(p.numel() for p in params)
         # Allocation order is the order a GPU would fill: weights, gradients, then the optimizer's fp32 states,
@@ -157,11 +158,53 @@ class MixedPrecisionStates:
             param.data = self.flat_param[offset : offset + n].view_as(param)
             param.grad = self.flat_grad[offset : offset + n].view_as(param)
             offset += n
+        # What the optimizer updates: one flat fp32 tensor and its moments.
+        self.master_params, self.exp_avgs, self.exp_avg_sqs = [self.master], [self.exp_avg], [self.exp_avg_sq]
+
+    # -- what the engine calls, in order -------------------------------------------------------------------
+    def before_backward(self) -> None:
+        # model.zero_grad() sets .grad to None; the flat buffer stays the home of every gradient.
+        offset = 0
+        for param in self.params:
+            n = param.numel()
+            if param.grad is None:
+                param.grad = self.flat_grad[offset : offset + n].view_as(param)
+            offset += n
+
+    def after_backward(self) -> None:
+        """Nothing to do: autograd accumulated into the flat gradient buffer."""
+
+    def reduce_gradients(self) -> None:
+        if self.comm is not None and self.comm.world_size > 1:
+            # Divide first, then sum: the average never overflows fp16 where the sum of N ranks might.
+            self.flat_grad.div_(self.comm.world_size)
+            self.comm.all_reduce(self.flat_grad)
+
+    def overflow(self) -> bool:
+        return has_overflow(self.flat_grad)  # after the all-reduce every rank sees the same gradients
+
+    def fp32_gradients(self) -> list[torch.Tensor]:
+        if self.flat_grad.dtype == torch.float32:
+            return [self.flat_grad]
+        # A transient fp32 gradient, charged to the device while it lives (a GPU holds it too).
+        grad = self.accel.empty(self.numel, torch.float32, category="gradients")
+        return [grad.copy_(self.flat_grad)]
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> float:
+        return float(torch.linalg.vector_norm(grads[0]))
+
+    def publish(self) -> None:
+        """After the fp32 update: round the master weights into the weights the forward pass reads."""
+        if self.master is not self.flat_param:
+            self.flat_param.copy_(self.master)
 
     def zero_grad(self) -> None:
         self.flat_grad.zero_()
 
-    def copy_master_to_params(self) -> None:
-        """After the fp32 update: round the master weights into the weights the forward pass reads."""
+    def record(self, ledger) -> None:
+        ledger.record("parameters", self.flat_param)
+        ledger.record("gradients", self.flat_grad)
         if self.master is not self.flat_param:
-            self.flat_param.copy_(self.master)
+            ledger.record("master_weights", self.master)
+        ledger.record("exp_avg", self.exp_avg)
+        ledger.record("exp_avg_sq", self.exp_avg_sq)

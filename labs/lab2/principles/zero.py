@@ -1,0 +1,304 @@
+"""ZeRO stages 1, 2 and 3: the model states of data-parallel training, each partitioned over the ranks.
+
+Per unit (the parameters of one module, see partition.py) and rank r of N:
+
+  stage 1  optimizer states (fp32 master, m, v) hold shard r only. Gradients accumulate in a full buffer;
+           at the step they are reduce-scattered, so rank r receives the averaged shard r it updates.
+  stage 2  gradients too: as backward produces a unit's gradients they are copied into a bucket, and every
+           `reduce_bucket_size` elements the bucket is reduce-scattered (asynchronously with `overlap_comm`).
+           Each rank keeps only its gradient shard.
+  stage 3  weights too: each rank stores weight shard r; a unit is all-gathered just before its module runs
+           (forward, and again before its backward) and released right after.
+
+After the update, stage 1/2 all-gather the new weight shards so that every rank holds the full weights again;
+stage 3 keeps only its shard until the next gather. (Module 1's MixedPrecisionStates is stage 0.)
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from ..accelerator import Accelerator
+from ..basics.precision import LOW_PRECISION, has_overflow
+from .comm import Comm
+from .partition import Unit, build_units
+
+# ZeRO-3 gathers the embedding's weights in a backward pre-hook; that its input (token ids) needs no gradient
+# is expected, and torch's warning about it would only confuse.
+warnings.filterwarnings(
+    "ignore", message="Full backward hook is firing when gradients are computed with respect"
+)
+
+
+def _fill_from(params: list[torch.Tensor], unit: Unit, shard: torch.Tensor) -> None:
+    """Copy the pieces of `params` that fall in this rank's shard of `unit` into `shard` (padding: zero)."""
+    shard.zero_()
+    for piece in unit.layout.slices:
+        source = params[piece.param].reshape(-1)[piece.param_start : piece.param_start + piece.numel]
+        shard[piece.shard_start : piece.shard_start + piece.numel].copy_(source)
+
+
+def reduce_scatter_unit(
+    comm: Comm, full_grad: torch.Tensor, shard_out: torch.Tensor, *, async_op: bool = False
+):
+    """Average a unit's full gradient over the ranks; this rank receives its own shard of the average."""
+    # Lab 2.2: reduce-scatter a unit's gradient into the shard this rank owns
+    # Every rank holds the whole (padded) gradient of the unit, `full_grad`; rank r must end up with the
+    # AVERAGE over ranks of chunk r in `shard_out`. Divide by the world size first (the sum of N fp16
+    # gradients can overflow where their average does not), then comm.reduce_scatter(...), passing async_op
+    # through and returning what it returns (a handle to wait on, or None).
+    raise NotImplementedError("Lab 2.2: reduce-scatter a unit's gradient into the shard this rank owns")
+
+
+def all_gather_unit(comm: Comm, full_param: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False):
+    """Every rank's weight shard of a unit, concatenated in rank order into the unit's full buffer."""
+    # Lab 2.3: all-gather the updated weight shards into the full weights
+    # `shard` is this rank's updated low-precision shard; `full_param` is the unit's whole padded buffer, in
+    # which rank r's shard lives at [r * shard.numel(), (r + 1) * shard.numel()). When `shard` is itself a view
+    # of `full_param` (stages 1 and 2), gather from a copy: a collective must not read what it is writing.
+    raise NotImplementedError("Lab 2.3: all-gather the updated weight shards into the full weights")
+
+
+class ShardedStates:
+    """Model states partitioned as ZeRO stage 1, 2 or 3 prescribes; the engine drives it step by step."""
+
+    def __init__(
+        self, model: torch.nn.Module, accel: Accelerator, precision: str, stage: int, comm: Comm, zero
+    ):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ShardedStates handles stages 1-3, got {stage}")
+        self.accel, self.comm, self.stage, self.precision = accel, comm, stage, precision
+        self.dtype = LOW_PRECISION[precision]
+        self.overlap = zero.overlap_comm
+        self.bucket_numel = zero.reduce_bucket_size
+        self.units = build_units(model, comm.world_size, comm.rank)
+        if not self.units:
+            raise ValueError("the model has no trainable parameters")
+        self.params = [p for unit in self.units for p in unit.params]
+        self.numel = sum(unit.numel for unit in self.units)
+        full_numel = sum(unit.padded_numel for unit in self.units)
+        shard_numel = sum(unit.shard_numel for unit in self.units)
+        # Elements added to make shards equal; the memory report shows them, never hides them.
+        self.padding = {
+            "full": full_numel - self.numel,
+            "shard": shard_numel - math.ceil(self.numel / comm.world_size),
+        }
+        initial = [p.detach() for p in self.params]  # the model's fp32 values, read before we rebind them
+        self._allocate(full_numel, shard_numel)
+        self._initialise(initial)
+        self._unit_of = {
+            id(p): (index, i) for index, unit in enumerate(self.units) for i, p in enumerate(unit.params)
+        }
+        self._staging: dict[int, torch.Tensor] = {}  # unit index -> full gradient being collected
+        self._remaining: dict[int, int] = {}
+        self._bucket: list[int] = []
+        self._inflight: list = []
+        self.grad_shard_transient = None
+        if stage >= 2:
+            for param in self.params:
+                param.register_post_accumulate_grad_hook(self._on_gradient)
+        if stage == 3:
+            self._install_gather_hooks(model)
+
+    # -- layout ----------------------------------------------------------------------------------------------
+    def _split(self, flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        return list(torch.split(flat, sizes))
+
+    def _allocate(self, full_numel: int, shard_numel: int) -> None:
+        accel, low = self.accel, self.dtype
+        shard_sizes = [u.shard_numel for u in self.units]
+        if self.stage < 3:
+            self.flat_param = accel.empty(full_numel, low, category="parameters")
+            self.full_params = self._split(self.flat_param, [u.padded_numel for u in self.units])
+            self.param_shards = [
+                f[u.layout.start : u.layout.end] for f, u in zip(self.full_params, self.units, strict=True)
+            ]
+        else:
+            self.flat_param = accel.empty(shard_numel, low, category="parameters")
+            self.param_shards = self._split(self.flat_param, shard_sizes)
+            # Gather buffers: allocated for their shape (the parameters become views into them), then freed.
+            self.full_params = [accel.empty(u.padded_numel, low, category="parameters") for u in self.units]
+        if self.stage == 1:
+            self.flat_grad = accel.zeros(full_numel, low, category="gradients")
+            self.full_grads = self._split(self.flat_grad, [u.padded_numel for u in self.units])
+        else:
+            self.flat_grad = accel.zeros(shard_numel, low, category="gradients")
+            self.grad_shards = self._split(self.flat_grad, shard_sizes)
+        if low == torch.float32:
+            self.master = None  # fp32 weights are their own master: the optimizer updates the weight shards
+            self.master_params = self.param_shards
+        else:
+            self.master = accel.empty(shard_numel, torch.float32, category="master_weights")
+            self.master_params = self._split(self.master, shard_sizes)
+        self.exp_avg = accel.zeros(shard_numel, torch.float32, category="optimizer_states")
+        self.exp_avg_sq = accel.zeros(shard_numel, torch.float32, category="optimizer_states")
+        self.exp_avgs = self._split(self.exp_avg, shard_sizes)
+        self.exp_avg_sqs = self._split(self.exp_avg_sq, shard_sizes)
+
+    @torch.no_grad()
+    def _initialise(self, initial: list[torch.Tensor]) -> None:
+        start = 0
+        for index, unit in enumerate(self.units):
+            values = initial[start : start + len(unit.params)]
+            start += len(unit.params)
+            _fill_from(values, unit, self.master_params[index])  # from fp32: no double rounding
+            if self.master is not None:
+                self.param_shards[index].copy_(self.master_params[index])
+            full = self.full_params[index]
+            if self.stage < 3:
+                for value, offset, numel in zip(values, unit.offsets, unit.numels, strict=True):
+                    full[offset : offset + numel].copy_(value.reshape(-1))
+                full[unit.numel :].zero_()
+            for param, offset, numel in zip(unit.params, unit.offsets, unit.numels, strict=True):
+                param.data = full[offset : offset + numel].view_as(param)
+                if self.stage == 1:
+                    param.grad = self.full_grads[index][offset : offset + numel].view_as(param)
+            if self.stage == 3:
+                unit.gathered = False
+                # Collectives write through an alias with its own version counter: refilling the storage
+                # before backward must not look to autograd like an in-place change of a saved weight.
+                unit.alias = torch.empty(0, dtype=full.dtype, device=full.device).set_(
+                    full.untyped_storage(), 0, full.shape
+                )
+                self.accel.free_storage(full)
+
+    # -- stage 3: gather before use, release after -------------------------------------------------------------
+    def _install_gather_hooks(self, model: torch.nn.Module) -> None:
+        for module in model.modules():
+            indices = sorted(
+                {self._unit_of[id(p)][0] for p in module.parameters(recurse=False) if id(p) in self._unit_of}
+            )
+            if not indices:
+                continue
+
+            def gather(*_, indices=indices):
+                for index in indices:
+                    self.gather(index)
+
+            def release(*_, indices=indices):
+                for index in indices:
+                    self.release(index)
+
+            module.register_forward_pre_hook(gather)
+            module.register_forward_hook(release, always_call=True)
+            module.register_full_backward_pre_hook(gather)
+
+    def gather(self, index: int) -> None:
+        unit = self.units[index]
+        if unit.gathered:
+            return
+        # Lab 2.4: bring a stage-3 unit's full weights onto the device
+        # The unit's full buffer (self.full_params[index]) was freed after its last use. Allocate its storage
+        # again with self.accel.restore_storage(...), then all-gather every rank's shard
+        # (self.param_shards[index]) into it, writing through unit.alias (same memory, own version counter).
+        # Mark the unit gathered. Its release (below) frees the storage again.
+        raise NotImplementedError("Lab 2.4: bring a stage-3 unit's full weights onto the device")
+
+    def release(self, index: int) -> None:
+        unit = self.units[index]
+        if unit.gathered:
+            self.accel.free_storage(self.full_params[index])
+            unit.gathered = False
+
+    # -- stage 2/3: gradients leave as backward produces them -------------------------------------------------
+    def _on_gradient(self, param: torch.nn.Parameter) -> None:
+        index, i = self._unit_of[id(param)]
+        unit = self.units[index]
+        staging = self._staging.get(index)
+        if staging is None:
+            staging = self._staging[index] = self.accel.zeros(
+                unit.padded_numel, self.dtype, category="buckets"
+            )
+            self._remaining[index] = len(unit.params)
+        staging[unit.offsets[i] : unit.offsets[i] + unit.numels[i]].add_(param.grad.reshape(-1))
+        param.grad = None  # the full gradient lives only in the bucket now
+        self._remaining[index] -= 1
+        if self._remaining[index] == 0:
+            if self.stage == 3:
+                self.release(index)
+            self._bucket.append(index)
+            if sum(self.units[i].padded_numel for i in self._bucket) >= self.bucket_numel:
+                self._flush()
+
+    def _flush(self) -> None:
+        for index in self._bucket:
+            staging = self._staging.pop(index)
+            out = self.accel.empty(self.units[index].shard_numel, self.dtype, category="buckets")
+            work = reduce_scatter_unit(self.comm, staging, out, async_op=self.overlap)
+            self._inflight.append((index, staging, out, work))
+        self._bucket = []
+        if not self.overlap:
+            self._drain()
+
+    def _drain(self) -> None:
+        for index, _staging, out, work in self._inflight:
+            if work is not None:
+                work.wait()
+            self.grad_shards[index].add_(out)  # accumulates over micro-batches
+        self._inflight = []
+
+    # -- what the engine calls, in order -----------------------------------------------------------------------
+    def before_backward(self) -> None:
+        if self.stage == 1:
+            for unit, full in zip(self.units, self.full_grads, strict=True):
+                for param, offset, numel in zip(unit.params, unit.offsets, unit.numels, strict=True):
+                    if param.grad is None:  # model.zero_grad() set it to None
+                        param.grad = full[offset : offset + numel].view_as(param)
+
+    def after_backward(self) -> None:
+        """Reduce what backward left in buckets: the last bucket, and units with unused parameters."""
+        if self.stage >= 2:
+            self._bucket += [i for i in self._staging if i not in self._bucket]
+            self._flush()
+            self._drain()
+            self._remaining.clear()
+
+    def reduce_gradients(self) -> None:
+        if self.stage == 1:
+            # The averaged shard exists from here to the end of the step; the full gradients stay, as stage 1
+            # keeps them.
+            flat = self.accel.empty(sum(u.shard_numel for u in self.units), self.dtype, category="buckets")
+            self.grad_shard_transient = flat
+            self.grad_shards = self._split(flat, [u.shard_numel for u in self.units])
+            for full, shard in zip(self.full_grads, self.grad_shards, strict=True):
+                reduce_scatter_unit(self.comm, full, shard)
+
+    def _grad_shard_flat(self) -> torch.Tensor:
+        return self.grad_shard_transient if self.stage == 1 else self.flat_grad
+
+    def overflow(self) -> bool:
+        return self.comm.any(has_overflow(self._grad_shard_flat()))
+
+    def fp32_gradients(self) -> list[torch.Tensor]:
+        flat = self._grad_shard_flat()
+        if flat.dtype != torch.float32:
+            flat = self.accel.empty(flat.numel(), torch.float32, category="gradients").copy_(flat)
+        return self._split(flat, [u.shard_numel for u in self.units])
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> float:
+        local = sum(float(g.double().square().sum()) for g in grads)
+        return math.sqrt(self.comm.sum(local))  # shards are disjoint: squares add up to the global norm
+
+    def publish(self) -> None:
+        for index in range(len(self.units)):
+            if self.master is not None:
+                self.param_shards[index].copy_(self.master_params[index])
+            if self.stage < 3:
+                all_gather_unit(self.comm, self.full_params[index], self.param_shards[index])
+
+    def zero_grad(self) -> None:
+        self.flat_grad.zero_()
+        if self.stage == 1:
+            self.grad_shard_transient = None
+            self.grad_shards = None
+
+    def record(self, ledger) -> None:
+        ledger.record("parameters", self.flat_param)
+        ledger.record("gradients", self.flat_grad)
+        if self.master is not None:
+            ledger.record("master_weights", self.master)
+        ledger.record("exp_avg", self.exp_avg)
+        ledger.record("exp_avg_sq", self.exp_avg_sq)

@@ -1,0 +1,129 @@
+"""The collectives ZeRO needs, on torch.distributed, with every element they move counted.
+
+Counting follows the ZeRO paper's convention: a reduce-scatter or all-gather over a buffer of P elements moves
+P elements per rank (a ring really sends (N-1)/N of that). Per optimizer step that gives 2P for stages 1 and 2
+(reduce-scatter the gradients, all-gather the weights) and 3P for stage 3 (the weights are gathered twice: for
+forward and again for backward). Small control messages (the overflow flag, the gradient norm) are counted apart.
+
+With one process there is nobody to talk to: the collectives become local copies and count nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+
+class Comm:
+    def __init__(self, group=None):
+        self.group = group
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.elements: Counter[str] = Counter()  # collective name -> elements moved (per rank)
+
+    def _run(self, name: str, numel: int, op, async_op: bool):
+        self.elements[name] += numel
+        try:
+            return op(async_op)
+        except RuntimeError as err:
+            raise CommunicationError(f"{name} of {numel} elements failed on rank {self.rank}: {err}") from err
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, *, async_op: bool = False):
+        """Sum `full` over ranks; rank r receives chunk r of the sum in `out`."""
+        if self.world_size == 1:
+            out.copy_(full)
+            return None
+        return self._run(
+            "reduce_scatter",
+            full.numel(),
+            lambda a: dist.reduce_scatter_single(out, full, group=self.group, async_op=a),
+            async_op,
+        )
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False):
+        """Every rank's `shard`, concatenated in rank order into `full` on every rank."""
+        if self.world_size == 1:
+            if full.data_ptr() != shard.data_ptr():
+                full.copy_(shard)
+            return None
+        return self._run(
+            "all_gather",
+            full.numel(),
+            lambda a: dist.all_gather_single(full, shard, group=self.group, async_op=a),
+            async_op,
+        )
+
+    def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False):
+        """Sum `tensor` over ranks, in place (data-parallel gradients at stage 0)."""
+        if self.world_size == 1:
+            return None
+        return self._run(
+            "all_reduce",
+            tensor.numel(),
+            lambda a: dist.all_reduce(tensor, group=self.group, async_op=a),
+            async_op,
+        )
+
+    def sum(self, value: float) -> float:
+        """A float summed over ranks (a control message: the squared gradient norm)."""
+        if self.world_size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64)
+        self._run("control", 1, lambda a: dist.all_reduce(tensor, group=self.group, async_op=a), False)
+        return float(tensor)
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if `flag` is true on any rank: one rank's overflow skips the step everywhere."""
+        if self.world_size == 1:
+            return flag
+        tensor = torch.tensor([1.0 if flag else 0.0])
+        self._run(
+            "control",
+            1,
+            lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=a),
+            False,
+        )
+        return bool(tensor.item() > 0)
+
+    def check_same(self, what: str, value: str) -> None:
+        """Fail on every rank, naming the ranks that differ, unless every rank holds the same `value`."""
+        if self.world_size == 1:
+            return
+        values = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self.group)
+        if len(set(values)) > 1:
+            groups = {}
+            for rank, v in enumerate(values):
+                groups.setdefault(v, []).append(rank)
+            listing = "; ".join(f"ranks {r} have {v[:12]}" for v, r in groups.items())
+            raise ValueError(
+                f"the ranks were started with different {what}: {listing}. Every rank must load "
+                "the same config file (compare with `zo check-config FILE --world-size N`)."
+            )
+
+    def reset_counts(self) -> None:
+        self.elements.clear()
+
+
+class CommunicationError(RuntimeError):
+    """A collective failed: usually another rank died or timed out."""
+
+
+def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> Comm:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+
+    gloo on CPU, NCCL on CUDA. A dead rank makes the others fail after `timeout_s` (ZO_DIST_TIMEOUT, default
+    300 s) instead of hanging forever.
+    """
+    if not dist.is_initialized():
+        timeout_s = timeout_s or float(os.environ.get("ZO_DIST_TIMEOUT", "300"))
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return Comm()

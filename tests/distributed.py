@@ -1,0 +1,71 @@
+"""Run a function on N ranks of a real torch.distributed gloo group on loopback, and collect what each returns."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank, fn, world_size, port, out_dir, args, timeout_s):
+    torch.set_num_threads(1)  # N ranks share two cores
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException as err:  # reported to the parent, which re-raises it with the rank
+        torch.save({"__error__": f"{type(err).__name__}: {err}"}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0) -> list:
+    """fn(rank, world_size, *args) on each rank; returns what each returned, an {"__error__": ...} dict for a rank
+    that raised, or {"__exitcode__": code} for one that died. Processes are joined, never left behind."""
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        port = free_port()
+        procs = [
+            context.Process(target=_entry, args=(r, fn, world_size, port, out_dir, args, timeout_s))
+            for r in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout_s * 3)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        results = []
+        for rank, proc in enumerate(procs):
+            path = os.path.join(out_dir, f"rank{rank}.pt")
+            if os.path.exists(path):
+                results.append(torch.load(path, weights_only=False))
+            else:
+                results.append({"__exitcode__": proc.exitcode})
+        return results
+
+
+def check(results: list) -> list:
+    """Re-raise the first rank's failure, with its rank."""
+    for rank, result in enumerate(results):
+        if isinstance(result, dict) and ("__error__" in result or "__exitcode__" in result):
+            raise AssertionError(f"rank {rank} failed: {result}")
+    return results
