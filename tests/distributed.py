@@ -67,5 +67,5 @@ def check(results: list) -> list:
     """Re-raise the first rank's failure, with its rank."""
     for rank, result in enumerate(results):
         if isinstance(result, dict) and ("__error__" in result or "__exitcode__" in result):
-            raise AssertionError(f"rank {rank} failed: {result}")
+            raise AssertionError(f"rank {rank}: {result.get('__error__') or result}")
     return results

@@ -72,7 +72,7 @@ def test_mutant_fails_its_task(task_id, code, tmp_path):
     if rel.endswith(".py"):  # a typo would get the mutant "caught" for the wrong reason
         compile(mutated, rel, "exec")
     (tmp_path / rel).write_text(mutated, encoding="utf-8")
-    result = grading.grade(lab.number, tmp_path, repo_root=REPO)
+    result = grading.grade(lab.number, tmp_path, repo_root=REPO, tasks=(task_id,))
     assert not result.errors, _failure_report(result)
     task = next(t for t in result.tasks if t.task.id == task_id)
     assert task.n_tests and not task.passed, (

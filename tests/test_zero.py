@@ -227,3 +227,31 @@ def test_shard_math_is_consistent_with_one_process():
     sharded = _train(0, 1, _config(3), steps=2)
     assert _max_rel(sharded["weights"], reference["weights"]) == 0
     assert not math.isnan(sharded["norms"][0])
+
+
+def _stage3_prefetch(rank, world_size):
+    return {
+        size: _train(rank, world_size, _config(3, allgather_bucket_size=size), steps=4)
+        for size in (1, 3_000, 10**9)
+    }
+
+
+def test_stage3_prefetch_changes_traffic_timing_not_results():
+    result = check(run_ranks(_stage3_prefetch, 2))[0]
+    none, some, everything = result[1], result[3_000], result[10**9]
+    for run in (some, everything):
+        assert all(torch.equal(run["weights"][k], none["weights"][k]) for k in none["weights"])
+        assert run["traffic"] == none["traffic"], "prefetching moves the same bytes, only earlier"
+
+
+def _recompute(rank, world_size, stage):
+    config = _config(stage)
+    config["activation_checkpointing"] = {}
+    return _train(rank, world_size, config, steps=3)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_recomputation_changes_nothing_in_the_result(stage):
+    results = check(run_ranks(_recompute, 2, stage))
+    reference = _train(0, 1, _config(0), steps=3)
+    assert _max_rel(results[0]["weights"], reference["weights"]) < 1e-6

@@ -1,4 +1,4 @@
-"""The `zo` command: demo, estimate, bench, grade, check-config."""
+"""The `zo` command: demo, train, estimate, bench, grade, check-config."""
 
 from __future__ import annotations
 
@@ -66,6 +66,18 @@ def _check_config(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    from .config import ConfigError
+    from .practice.trainer import train
+
+    try:
+        train(args.config, model=args.model, steps=args.steps, out=args.out, seed=args.seed)
+    except (ConfigError, NotImplementedError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zo", description="zero-offload: the course's engine and tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     est.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"])
     est.add_argument("--offload-param", default="none", choices=["none", "cpu", "nvme"])
     est.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"])
+
+    train = sub.add_parser(
+        "train", help="train the tiny GPT with a DeepSpeed-style config (works under torchrun)"
+    )
+    train.add_argument("--config", required=True, help="path to a DeepSpeed-style JSON config")
+    train.add_argument("--model", default="tiny", help="model preset: nano, tiny, small, 10m, 100m, 1b")
+    train.add_argument("--steps", type=int, default=100)
+    train.add_argument("--out", default="out/train")
+    train.add_argument("--seed", type=int, default=0)
 
     bench = sub.add_parser("bench", help="benchmarks, reported as ratios from one run (out/bench/)")
     bench.add_argument("--out", default="out/bench")
@@ -100,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
 
         run_demo(args.out, steps=args.steps)
         return 0
+    if args.command == "train":
+        return _train(args)
     if args.command == "estimate":
         return _estimate(args)
     if args.command == "bench":

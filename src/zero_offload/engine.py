@@ -21,6 +21,7 @@ from .basics.precision import (
 )
 from .config import Config, load_config
 from .principles.comm import Comm
+from .principles.recompute import checkpoint_blocks
 from .principles.zero import ShardedStates
 
 # Pieces of the config that later modules of the course implement; until then a clear error beats a silent no-op.
@@ -29,7 +30,6 @@ _NOT_YET = {
     "scheduler": "learning-rate schedulers arrive with module 3 (implementation)",
     "simd": "the SIMD CPU Adam arrives with module 4 (tuning); use cpu_adam.impl 'torch' or 'naive'",
     "delayed_param_update": "the delayed parameter update arrives with module 5 (practice)",
-    "activation_checkpointing": "activation checkpointing arrives with module 2 (principles)",
 }
 
 
@@ -44,8 +44,6 @@ def _check_supported(config: Config) -> None:
         problems.append(("zero_offload.cpu_adam.impl", _NOT_YET["simd"]))
     if config.zero_offload.delayed_param_update.enabled:
         problems.append(("zero_offload.delayed_param_update", _NOT_YET["delayed_param_update"]))
-    if config.activation_checkpointing.enabled:
-        problems.append(("activation_checkpointing", _NOT_YET["activation_checkpointing"]))
     if problems:
         lines = "\n".join(f"  {key}: {why}" for key, why in problems)
         raise NotImplementedError(f"this version of zero_offload cannot run this config yet:\n{lines}")
@@ -117,6 +115,8 @@ class Engine:
         self._upcast = self.accelerator.compute_dtype(self.states.dtype) != self.states.dtype
         if self._upcast:
             self._install_upcast_hooks()
+        if config.activation_checkpointing.enabled:
+            checkpoint_blocks(model, self.accelerator, self.states.dtype)
         self.micro_steps = 0  # backward calls so far
         self.global_steps = 0  # optimizer steps taken or skipped
         self.skipped_steps = 0
@@ -163,6 +163,7 @@ class Engine:
 
     def __call__(self, *args, **kwargs):
         args, kwargs = self._to_device(args), self._to_device(kwargs)
+        self.states.before_forward()
         with self.accelerator.activations(self.states.dtype):
             return self.model(*args, **kwargs)
 

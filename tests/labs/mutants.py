@@ -202,3 +202,96 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
         ),
     ],
 }
+
+MUTANTS.update({
+    "2.1": [
+        ("shard size rounded down: the tail is lost", """
+            total = sum(numels)
+            shard_numel = align * (total // (world_size * align))
+            start, end = rank * shard_numel, (rank + 1) * shard_numel
+            slices = []
+            offset = 0
+            for index, numel in enumerate(numels):
+                lo, hi = max(offset, start), min(offset + numel, end)
+                if lo < hi:
+                    slices.append(Slice(index, lo - offset, lo - start, hi - lo))
+                offset += numel
+        """),
+        ("slice positions taken from the buffer, not the shard", """
+            total = sum(numels)
+            shard_numel = align * math.ceil(total / (world_size * align))
+            start, end = rank * shard_numel, (rank + 1) * shard_numel
+            slices = []
+            offset = 0
+            for index, numel in enumerate(numels):
+                lo, hi = max(offset, start), min(offset + numel, end)
+                if lo < hi:
+                    slices.append(Slice(index, lo - offset, lo, hi - lo))
+                offset += numel
+        """),
+        ("off by one at the shard boundary", """
+            total = sum(numels)
+            shard_numel = align * math.ceil(total / (world_size * align))
+            start, end = rank * shard_numel, (rank + 1) * shard_numel
+            slices = []
+            offset = 0
+            for index, numel in enumerate(numels):
+                lo, hi = max(offset, start), min(offset + numel, end - 1)
+                if lo < hi:
+                    slices.append(Slice(index, lo - offset, lo - start, hi - lo))
+                offset += numel
+        """),
+    ],
+    "2.2": [
+        ("summed, not averaged", """
+            return comm.reduce_scatter(shard_out, full_grad, async_op=async_op)
+        """),
+        ("averaged after the collective, on the input instead of the output", """
+            work = comm.reduce_scatter(shard_out, full_grad, async_op=async_op)
+            full_grad.div_(comm.world_size)
+            return work
+        """),
+        ("every rank keeps chunk 0 of an all-reduce", """
+            full_grad.div_(comm.world_size)
+            comm.all_reduce(full_grad)
+            shard_out.copy_(full_grad[: shard_out.numel()])
+            return None
+        """),
+    ],
+    "2.3": [
+        ("master weights never rounded into the shard: the weights never move", """
+            for index in range(len(self.units)):
+                if self.stage < 3:
+                    all_gather_unit(self.comm, self.full_params[index], self.param_shards[index])
+        """),
+        ("no all-gather: other ranks' parts of the weights go stale", """
+            for index in range(len(self.units)):
+                if self.master is not None:
+                    self.param_shards[index].copy_(self.master_params[index])
+        """),
+        ("all-gather at stage 3 too, into freed memory", """
+            for index in range(len(self.units)):
+                if self.master is not None:
+                    self.param_shards[index].copy_(self.master_params[index])
+                all_gather_unit(self.comm, self.full_params[index], self.param_shards[index])
+        """),
+    ],
+    "2.4": [
+        ("storage never restored", """
+            work = all_gather_unit(self.comm, self.full_params[index], self.param_shards[index], async_op=async_op)
+            unit.gathered = True
+            return work
+        """),
+        ("only this rank's shard copied in: the rest is garbage", """
+            self.accel.restore_storage(self.full_params[index], "parameters")
+            n = self.param_shards[index].numel()
+            self.full_params[index][self.comm.rank * n : (self.comm.rank + 1) * n].copy_(self.param_shards[index])
+            unit.gathered = True
+            return None
+        """),
+        ("never marked gathered: every use gathers again", """
+            self.accel.restore_storage(self.full_params[index], "parameters")
+            return all_gather_unit(self.comm, self.full_params[index], self.param_shards[index], async_op=async_op)
+        """),
+    ],
+})

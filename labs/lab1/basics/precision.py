@@ -162,6 +162,9 @@ class MixedPrecisionStates:
         self.master_params, self.exp_avgs, self.exp_avg_sqs = [self.master], [self.exp_avg], [self.exp_avg_sq]
 
     # -- what the engine calls, in order -------------------------------------------------------------------
+    def before_forward(self) -> None:
+        """Nothing to prepare: every weight is always on the device at stage 0."""
+
     def before_backward(self) -> None:
         # model.zero_grad() sets .grad to None; the flat buffer stays the home of every gradient.
         offset = 0

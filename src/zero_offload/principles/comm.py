@@ -35,6 +35,7 @@ class Comm:
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, *, async_op: bool = False):
         """Sum `full` over ranks; rank r receives chunk r of the sum in `out`."""
+        _check_writable(out, "reduce_scatter output")
         if self.world_size == 1:
             out.copy_(full)
             return None
@@ -47,6 +48,7 @@ class Comm:
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False):
         """Every rank's `shard`, concatenated in rank order into `full` on every rank."""
+        _check_writable(full, "all_gather output")
         if self.world_size == 1:
             if full.data_ptr() != shard.data_ptr():
                 full.copy_(shard)
@@ -108,6 +110,16 @@ class Comm:
 
     def reset_counts(self) -> None:
         self.elements.clear()
+
+
+def _check_writable(tensor: torch.Tensor, what: str) -> None:
+    # A ZeRO-3 buffer whose storage was freed still has its shape; writing into it would corrupt memory.
+    needed = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+    if tensor.untyped_storage().nbytes() < needed:
+        raise RuntimeError(
+            f"the {what} has no memory behind it ({tensor.untyped_storage().nbytes()} of {needed} bytes): "
+            "its storage was freed; restore it (accelerator.restore_storage) before writing into it"
+        )
 
 
 class CommunicationError(RuntimeError):

@@ -56,15 +56,12 @@ def reduce_scatter_unit(
 
 
 def all_gather_unit(comm: Comm, full_param: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False):
-    """Every rank's weight shard of a unit, concatenated in rank order into the unit's full buffer."""
-    # BEGIN LAB 2.3: all-gather the updated weight shards into the full weights
-    # `shard` is this rank's updated low-precision shard; `full_param` is the unit's whole padded buffer, in
-    # which rank r's shard lives at [r * shard.numel(), (r + 1) * shard.numel()). When `shard` is itself a view
-    # of `full_param` (stages 1 and 2), gather from a copy: a collective must not read what it is writing.
-    if comm.world_size > 1 and shard.untyped_storage().data_ptr() == full_param.untyped_storage().data_ptr():
-        shard = shard.clone()
+    """Every rank's weight shard of a unit, concatenated in rank order into the unit's full buffer.
+
+    At stages 1 and 2 `shard` is a view of `full_param` at this rank's own slot: an in-place all-gather,
+    which gloo and NCCL both allow (the rank's own slot is simply left as it is).
+    """
     return comm.all_gather(full_param, shard, async_op=async_op)
-    # END LAB 2.3
 
 
 class ShardedStates:
@@ -102,6 +99,9 @@ class ShardedStates:
         self._bucket: list[int] = []
         self._inflight: list = []
         self.grad_shard_transient = None
+        self.prefetch_numel = zero.allgather_bucket_size
+        self._order: list[int] = []  # units in the order the first forward pass used them
+        self._recording, self._phase, self._cursor = True, "forward", -1
         if stage >= 2:
             for param in self.params:
                 param.register_post_accumulate_grad_hook(self._on_gradient)
@@ -162,12 +162,10 @@ class ShardedStates:
                 if self.stage == 1:
                     param.grad = self.full_grads[index][offset : offset + numel].view_as(param)
             if self.stage == 3:
-                unit.gathered = False
-                # Collectives write through an alias with its own version counter: refilling the storage
-                # before backward must not look to autograd like an in-place change of a saved weight.
-                unit.alias = torch.empty(0, dtype=full.dtype, device=full.device).set_(
-                    full.untyped_storage(), 0, full.shape
-                )
+                # The parameters are views into `full` through .data, which shares memory but not autograd's
+                # version counter: refilling the memory before backward is not an in-place change of a weight
+                # autograd saved.
+                unit.gathered, unit.pending = False, None
                 self.accel.free_storage(full)
 
     # -- stage 3: gather before use, release after -------------------------------------------------------------
@@ -192,24 +190,69 @@ class ShardedStates:
             module.register_full_backward_pre_hook(gather)
 
     def gather(self, index: int) -> None:
+        """Make unit `index`'s full weights present (waiting for its prefetch, if any); prefetch what follows."""
         unit = self.units[index]
-        if unit.gathered:
-            return
+        if unit.pending is not None:
+            unit.pending.wait()
+            unit.pending = None
+        elif not unit.gathered:
+            self._start_gather(index, async_op=False)
+        self._prefetch_after(index)
+
+    def _start_gather(self, index: int, *, async_op: bool):
+        unit = self.units[index]
         # BEGIN LAB 2.4: bring a stage-3 unit's full weights onto the device
-        # The unit's full buffer (self.full_params[index]) was freed after its last use. Allocate its storage
-        # again with self.accel.restore_storage(...), then all-gather every rank's shard
-        # (self.param_shards[index]) into it, writing through unit.alias (same memory, own version counter).
-        # Mark the unit gathered. Its release (below) frees the storage again.
+        # The unit's full buffer (self.full_params[index]) was freed after its last use: its shape survives,
+        # its memory does not. Allocate the memory again with self.accel.restore_storage(...), then all-gather
+        # every rank's shard (self.param_shards[index]) into it, passing async_op through. Mark the unit
+        # gathered and return the collective's handle. (release() below frees the memory again.)
         self.accel.restore_storage(self.full_params[index], "parameters")
-        all_gather_unit(self.comm, unit.alias, self.param_shards[index])
+        work = all_gather_unit(
+            self.comm, self.full_params[index], self.param_shards[index], async_op=async_op
+        )
         unit.gathered = True
+        return work
         # END LAB 2.4
+
+    def _prefetch_after(self, index: int) -> None:
+        """Start the all-gathers of the units that come next, up to `allgather_bucket_size` elements ahead.
+
+        The order is the one the first forward pass used (and its reverse for backward); while it is being
+        recorded nothing is prefetched. Only units beyond the furthest one reached are fetched, so a unit used
+        twice (the tied embedding, again at the output head) does not fetch its successors twice.
+        """
+        order = self._order if self._phase == "forward" else self._order[::-1]
+        if self._recording:
+            if index not in self._order:
+                self._order.append(index)
+            return
+        position = order.index(index)
+        if position <= self._cursor:
+            return
+        self._cursor, budget = position, self.prefetch_numel
+        for nxt in order[position + 1 :]:
+            budget -= self.units[nxt].padded_numel
+            if budget < 0:
+                break
+            if not self.units[nxt].gathered:
+                self.units[nxt].pending = self._start_gather(nxt, async_op=True)
 
     def release(self, index: int) -> None:
         unit = self.units[index]
+        if unit.pending is not None:  # a prefetch still writing into the buffer: let it land first
+            unit.pending.wait()
+            unit.pending = None
         if unit.gathered:
             self.accel.free_storage(self.full_params[index])
             unit.gathered = False
+
+    def _begin_phase(self, phase: str) -> None:
+        if self.stage == 3:
+            if self._phase == "forward" and self._order:
+                self._recording = False  # the first forward pass has shown the order
+            for index in range(len(self.units)):
+                self.release(index)  # a prefetch the pass did not use
+            self._phase, self._cursor = phase, -1
 
     # -- stage 2/3: gradients leave as backward produces them -------------------------------------------------
     def _on_gradient(self, param: torch.nn.Parameter) -> None:
@@ -249,7 +292,11 @@ class ShardedStates:
         self._inflight = []
 
     # -- what the engine calls, in order -----------------------------------------------------------------------
+    def before_forward(self) -> None:
+        self._begin_phase("forward")
+
     def before_backward(self) -> None:
+        self._begin_phase("backward")
         if self.stage == 1:
             for unit, full in zip(self.units, self.full_grads, strict=True):
                 for param, offset, numel in zip(unit.params, unit.offsets, unit.numels, strict=True):
@@ -263,6 +310,7 @@ class ShardedStates:
             self._flush()
             self._drain()
             self._remaining.clear()
+        self._begin_phase("forward")
 
     def reduce_gradients(self) -> None:
         if self.stage == 1:
@@ -291,11 +339,18 @@ class ShardedStates:
         return math.sqrt(self.comm.sum(local))  # shards are disjoint: squares add up to the global norm
 
     def publish(self) -> None:
+        """After the fp32 update: the new weights where forward will read them."""
+        # BEGIN LAB 2.3: publish the updated weights
+        # For every unit: if there is a separate fp32 master (fp16/bf16 runs: self.master is not None), round
+        # self.master_params[index] into this rank's low-precision shard self.param_shards[index]. Then, at
+        # stages 1 and 2, every rank must hold the full weights again: all_gather_unit(...) into
+        # self.full_params[index]. At stage 3 the shard is all that is kept (it is gathered when next used).
         for index in range(len(self.units)):
             if self.master is not None:
                 self.param_shards[index].copy_(self.master_params[index])
             if self.stage < 3:
                 all_gather_unit(self.comm, self.full_params[index], self.param_shards[index])
+        # END LAB 2.3
 
     def zero_grad(self) -> None:
         self.flat_grad.zero_()
