@@ -27,13 +27,14 @@
 # 5. 亲眼看 stage 3 的"用前聚合、用后释放"，以及预取（prefetch）改变了什么、没改变什么。
 #
 # 所有图都保存在仓库根目录的 `out/lessons/02/` 下，同时显示在笔记本里。
-# 设置环境变量 `ZO_SMOKE=1` 会减少训练步数、缩小模型、只跑 stage 0 和 2，只用于快速检查笔记本能否跑通。
+# 设置环境变量 `ZO_SMOKE=1` 会减少训练步数、缩小模型、多进程训练只跑 stage 2，只用于快速检查笔记本能否跑通。
 
 # %%
 import json
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -220,7 +221,7 @@ print(f"\n{total:,} elements, padded to {padded:,}: {padded - total} padding ele
 
 # %%
 STEPS = 3 if SMOKE else 12
-STAGES = (0, 2) if SMOKE else (0, 1, 2, 3)
+STAGES = (2,) if SMOKE else (0, 1, 2, 3)
 BASE = {
     "train_batch_size": 8,  # 4 rows per rank
     "fp16": {"enabled": True, "initial_scale_power": 12},
@@ -271,8 +272,8 @@ print(runs[STAGES[-1]]["stdout"])
 # 比较每一步的 loss：
 
 # %%
-reference = runs[0]["losses"]
-print(f"{'stage':<7}{'first loss':>11}{'last loss':>11}{'skipped':>9}{'max |loss - stage 0|':>23}")
+reference = runs[STAGES[0]]["losses"]
+print(f"{'stage':<7}{'first loss':>11}{'last loss':>11}{'skipped':>9}{f'max |loss - stage {STAGES[0]}|':>23}")
 for stage, run in runs.items():
     diff = max(abs(a - b) for a, b in zip(run["losses"], reference, strict=True))
     print(f"{stage:<7}{run['losses'][0]:>11.4f}{run['losses'][-1]:>11.4f}{run['skipped_steps']:>9}{diff:>23.1e}")
@@ -295,7 +296,7 @@ def reported_device(stdout: str) -> tuple[str, str]:
     return match.group(1), match.group(2)
 
 
-n_params = runs[0]["params"]
+n_params = runs[STAGES[0]]["params"]
 units2 = build_units(TinyGPT("tiny"), 2, 0)
 padding2 = sum(u.padded_numel for u in units2) - n_params
 print(f"TinyGPT('tiny'): {n_params:,} parameters, {len(units2)} units, padding with 2 ranks: {padding2} elements")
@@ -402,11 +403,11 @@ show(fig, "traffic_per_stage.png")
 # 于是激活从"L 个块的全部"降到"L 个块的输入 + 一个块的全部"，代价是多做一次前向。
 #
 # 在配置里加一个 `"activation_checkpointing": {}` 节就打开它（DeepSpeed 的键名）。下面在一个进程里比较两个引擎：
-# 前向之后的激活字节数、前向加反向期间的峰值（减去模型状态）、每步耗时（两个引擎交替运行，各取最快的一步：
-# 机器同时在做别的事时，最快的那一步最接近不受打扰的耗时），以及 loss。
+# 前向之后的激活字节数、前向加反向期间的峰值（减去模型状态）、每步耗时（两个引擎交替运行，取中位数；计时期间 PyTorch 只用一个线程：
+# 别的程序同时占着这两个核时，多线程之间的相互等待会让单步耗时成倍抖动，单线程的数字稳定得多），以及 loss。
 
 # %%
-AC_MODEL, AC_BATCH, AC_STEPS = ("tiny", 4, 2) if SMOKE else ("small", 4, 6)
+AC_MODEL, AC_BATCH, AC_STEPS = ("nano", 4, 2) if SMOKE else ("small", 4, 6)
 ac_base = {"train_batch_size": AC_BATCH, "fp16": {"enabled": True, "initial_scale_power": 12},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 variants = {"keep activations": ac_base, "recompute": {**ac_base, "activation_checkpointing": {}}}
@@ -426,6 +427,8 @@ for name, config in variants.items():
         block.fc.register_forward_hook(count)  # the MLP's first layer runs once per block forward
 
 results = {name: {"loss": [], "acts": [], "peak": [], "fwd_s": [], "fwd_bwd_s": [], "step_s": []} for name in variants}
+threads = torch.get_num_threads()
+torch.set_num_threads(1)  # steady timings on a busy machine (see above)
 for step in range(AC_STEPS + 1):  # step 0 warms up and is left out of the timings
     x, y = data_ac.global_batch(step, AC_BATCH)
     for name, engine in engines.items():  # interleaved, so that load from elsewhere hits both alike
@@ -450,24 +453,25 @@ for step in range(AC_STEPS + 1):  # step 0 warms up and is left out of the timin
             r["fwd_s"].append(t_fwd - t0)
             r["fwd_bwd_s"].append(t1 - t0)
             r["step_s"].append(t2 - t0)
+torch.set_num_threads(threads)
 
 L, tokens = cfg_ac.n_layer, AC_BATCH * cfg_ac.seq_len
 print(f"TinyGPT('{AC_MODEL}'): L = {L}, h = {cfg_ac.d_model}, batch {AC_BATCH} x {cfg_ac.seq_len} tokens, "
       f"{engines['recompute'].num_params:,} parameters")
 print(f"{'':<18}{'acts after fwd':>15}{'peak fwd+bwd':>14}{'block fwds/step':>17}{'fwd ms':>8}"
       f"{'fwd+bwd ms':>12}{'step ms':>9}")
-fastest_ms = {name: {key: min(r[key]) * 1e3 for key in ("fwd_s", "fwd_bwd_s", "step_s")}
-              for name, r in results.items()}
+median_ms = {name: {key: statistics.median(r[key]) * 1e3 for key in ("fwd_s", "fwd_bwd_s", "step_s")}
+             for name, r in results.items()}
 for name, r in results.items():
-    ms = fastest_ms[name]
+    ms = median_ms[name]
     print(f"{name:<18}{format_bytes(r['acts'][-1]):>15}{format_bytes(r['peak'][-1]):>14}{r['fc']:>17}"
           f"{ms['fwd_s']:>8.0f}{ms['fwd_bwd_s']:>12.0f}{ms['step_s']:>9.0f}")
 keep, rec = results["keep activations"], results["recompute"]
-fwd, fwd_bwd = fastest_ms["keep activations"]["fwd_s"], fastest_ms["keep activations"]["fwd_bwd_s"]
+fwd, fwd_bwd = median_ms["keep activations"]["fwd_s"], median_ms["keep activations"]["fwd_bwd_s"]
 print(f"\nlosses identical: {keep['loss'] == rec['loss']}  ({keep['loss'][0]:.4f} -> {keep['loss'][-1]:.4f})")
 print(f"activations after forward: {rec['acts'][-1] / keep['acts'][-1]:.1%} of keeping them all; "
       f"block inputs alone: L*b*s*h*2 = {format_bytes(L * tokens * cfg_ac.d_model * 2)}")
-print(f"forward + backward with recomputation: x{fastest_ms['recompute']['fwd_bwd_s'] / fwd_bwd:.2f} measured; "
+print(f"forward + backward with recomputation: x{median_ms['recompute']['fwd_bwd_s'] / fwd_bwd:.2f} measured; "
       f"x{(fwd_bwd + fwd) / fwd_bwd:.2f} if it costs one more forward (backward/forward here = "
       f"{(fwd_bwd - fwd) / fwd:.1f}); x1.33 if backward = 2 x forward")
 assert keep["loss"] == rec["loss"] and rec["fc"] == 2 * keep["fc"]
@@ -488,12 +492,12 @@ ax1.set_title("Device memory (emulated, fp16 storage)")
 ax1.legend(fontsize=8)
 for offset, (key, label) in zip((-0.2, 0.2), (("fwd_bwd_s", "forward + backward"),
                                               ("step_s", "whole step (with Adam)")), strict=True):
-    values = [fastest_ms[n][key] for n in names]
+    values = [median_ms[n][key] for n in names]
     ax2.bar(pos + offset, values, 0.4, label=label)
     for p, v in zip(pos + offset, values, strict=True):
         ax2.text(p, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
 ax2.set_xticks(pos, names)
-ax2.set_ylabel(f"ms, fastest of {AC_STEPS} steps")
+ax2.set_ylabel(f"ms, median of {AC_STEPS} steps, 1 thread")
 ax2.set_title("Time per step")
 ax2.legend(fontsize=8)
 show(fig, "recompute.png")
@@ -518,15 +522,15 @@ show(fig, "recompute.png")
 # 但分配与释放的过程与多进程时完全一样）记录每个模块开始计算时设备上参数类别的字节数。
 #
 # `allgather_bucket_size` 控制**预取**：聚合一个单元时，顺便异步发起后面若干单元的聚合，总量不超过这么多元素，
-# 让通信与当前模块的计算重叠。预取的顺序来自第一次前向（反向时倒过来），所以要看第二步。
+# 让通信与当前模块的计算重叠。前向和反向的顺序各自来自它们的第一次（那一次只记录、不预取），所以要看第二步。
 
 # %%
-E_BATCH = 4
-data_e = ByteBatches(load_corpus(), TinyGPT("tiny").cfg.seq_len)
+E_MODEL, E_BATCH = ("nano" if SMOKE else "tiny"), 4
+data_e = ByteBatches(load_corpus(), TinyGPT(E_MODEL).cfg.seq_len)
 traces, checks = {}, {}
 for bucket in (1, 200_000, 500_000_000):  # no prefetch, about one block ahead, DeepSpeed's default (everything)
     accel = EmulatedAccelerator()
-    model = TinyGPT("tiny")
+    model = TinyGPT(E_MODEL)
     engine = zo.initialize(model, {**ac_base, "train_batch_size": E_BATCH,
                                    "zero_optimization": {"stage": 3, "allgather_bucket_size": bucket}},
                            accelerator=accel)
@@ -582,9 +586,9 @@ show(fig, "stage3_gather_release.png")
 # - 不预取（`allgather_bucket_size` = 1）时，任一时刻最多只多出正在用的那个单元，曲线是锯齿；
 #   预取得越多，峰值越高：DeepSpeed 的默认值 5 亿元素对小模型等于"一开始就把后面的全取来"。
 #   预取用显存换时间：聚合提前发出，与计算重叠。
-# - 反向部分三条线重合，而且基线比前向高出一个 `wte` 单元。反向最先运行的是 `lm_head`，它聚合了共享的词嵌入单元；
-#   这个单元的梯度要等到最后 `wte` 的反向做完才完整，所以它一直留到反向结束。也因为反向第一个用到的是这个
-#   在倒序里排最后的单元，引擎的预取位置一开始就走到了末尾，这个模型的反向没有发生预取。
+# - 反向部分同样随预取量升高，而且基线比前向高出一个 `wte` 单元。反向最先运行的是 `lm_head`，它聚合了共享的
+#   词嵌入单元；这个单元的梯度要等到最后 `wte` 的反向做完才完整，所以它一直留到反向结束。反向的预取顺序是
+#   第一次反向记录下来的顺序（以这个共享单元开头），不是前向顺序的简单倒序。
 #
 # 预取改变的是**什么时候**通信，不是通信多少。多进程时计数器才有东西可数，所以下面用两个进程再跑一次 stage 3，
 # 关掉预取，与第 3 节的 stage 3（默认值，全部预取）比较：
