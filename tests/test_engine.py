@@ -6,12 +6,13 @@ import gc
 
 import pytest
 import torch
+from corpus import fixed_corpus
 
 import zero_offload as zo
 from zero_offload.accelerator import DeviceOutOfMemoryError, EmulatedAccelerator
-from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss, load_corpus
+from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss
 
-BATCHES = ByteBatches(load_corpus(), 32, seed=3)
+BATCHES = ByteBatches(fixed_corpus(), 32, seed=3)
 
 
 def _config(precision="fp32", **extra):

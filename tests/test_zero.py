@@ -12,21 +12,24 @@ import os
 
 import pytest
 import torch
+from corpus import fixed_corpus
 from distributed import check, run_ranks
 
 import zero_offload as zo
 from zero_offload.accelerator import EmulatedAccelerator
 from zero_offload.config import ConfigError
 from zero_offload.principles.comm import CommunicationError
-from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss, load_corpus
+from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss
 
 STEPS, BATCH, SEQ = 20, 6, 32  # a batch of 6 splits over 1, 2 and 3 ranks
+# lr 1e-3: measured on this model, one step differs from one process by 6e-8 (summation order); with lr 3e-3
+# training is chaotic enough to grow that to 3e-6 in 20 steps, with 1e-3 it stays below 5e-7.
 
 
 def _config(stage, precision="fp32", **zero):
     config = {
         "train_batch_size": BATCH,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "eps": 1e-3, "weight_decay": 0.01}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-3, "weight_decay": 0.01}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 20_000, **zero},
     }
     if precision != "fp32":
@@ -38,7 +41,7 @@ def _config(stage, precision="fp32", **zero):
 
 def _train(rank, world_size, config, steps=STEPS, accumulation=1):
     """Train the tiny GPT; return the full final weights, the norms, the traffic and the memory books."""
-    data = ByteBatches(load_corpus(), SEQ, seed=11)
+    data = ByteBatches(fixed_corpus(), SEQ, seed=11)
     model = TinyGPT("nano", seed=0)
     engine = zo.initialize(model, config, accelerator=EmulatedAccelerator())
     micro = BATCH // (world_size * accumulation)

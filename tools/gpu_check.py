@@ -87,8 +87,11 @@ def main() -> int:
 
     # ZeRO-3 on one GPU: layers gathered into freed-and-restored CUDA storage, released after use.
     model = TinyGPT("small")
-    engine = initialize(model, {"train_batch_size": 16, "fp16": {"enabled": True},
-                                "zero_optimization": {"stage": 3}}, accelerator=accel)
+    engine = initialize(
+        model,
+        {"train_batch_size": 16, "fp16": {"enabled": True}, "zero_optimization": {"stage": 3}},
+        accelerator=accel,
+    )
     for step in range(5):
         x, y = data.global_batch(step, 16)
         engine.backward(lm_loss(engine(x), y))

@@ -88,13 +88,12 @@ class Engine:
                 "pass the config through zo.initialize so that it reads the world size itself"
             )
         self.comm.check_same("configs", config.fingerprint())
-        if not unique_parameters(model):
+        params = unique_parameters(model)
+        if not params:
             raise ValueError("the model has no trainable parameters")
         stage = config.zero_optimization.stage
         if stage == 0:
-            self.states = MixedPrecisionStates(
-                unique_parameters(model), self.accelerator, config.precision, self.comm
-            )
+            self.states = MixedPrecisionStates(params, self.accelerator, config.precision, self.comm)
         else:
             self.states = ShardedStates(
                 model, self.accelerator, config.precision, stage, self.comm, config.zero_optimization

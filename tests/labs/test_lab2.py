@@ -179,7 +179,9 @@ def _use_reference_helpers(keep_publish: bool = False, patch=setattr):
 def _train(rank, world_size, precision, stage=3):
     import zero_offload as zo
     from zero_offload.accelerator import EmulatedAccelerator
-    from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss, load_corpus
+    from corpus import fixed_corpus
+
+    from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss
 
     config = {"train_batch_size": 4, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-3}}}
@@ -188,7 +190,7 @@ def _train(rank, world_size, precision, stage=3):
     accel = EmulatedAccelerator()
     model = TinyGPT("nano")
     engine = zo.initialize(model, config, accelerator=accel)
-    data = ByteBatches(load_corpus(), 16, seed=2)
+    data = ByteBatches(fixed_corpus(), 16, seed=2)
     model_states = accel.memory_stats().in_use
     for step in range(3):
         x, y = data.micro_batch(step, 4 // world_size, rank=rank, world_size=world_size)

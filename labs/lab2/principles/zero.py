@@ -98,8 +98,9 @@ class ShardedStates:
         self._inflight: list = []
         self.grad_shard_transient = None
         self.prefetch_numel = zero.allgather_bucket_size
-        self._order: list[int] = []  # units in the order the first forward pass used them
-        self._recording, self._phase, self._cursor = True, "forward", -1
+        self._order = {"forward": [], "backward": []}  # units in the order the first pass of each used them
+        self._recorded = {"forward": False, "backward": False}
+        self._phase, self._cursor = "forward", -1
         if stage >= 2:
             for param in self.params:
                 param.register_post_accumulate_grad_hook(self._on_gradient)
@@ -209,14 +210,17 @@ class ShardedStates:
     def _prefetch_after(self, index: int) -> None:
         """Start the all-gathers of the units that come next, up to `allgather_bucket_size` elements ahead.
 
-        The order is the one the first forward pass used (and its reverse for backward); while it is being
-        recorded nothing is prefetched. Only units beyond the furthest one reached are fetched, so a unit used
-        twice (the tied embedding, again at the output head) does not fetch its successors twice.
+        The order of each phase is the one its first pass used (forward and backward differ: backward starts
+        with the output head, which gathers the tied embedding); while a phase is being recorded nothing is
+        prefetched. Only units beyond the furthest one reached are fetched, so a unit used twice does not
+        fetch its successors twice.
         """
-        order = self._order if self._phase == "forward" else self._order[::-1]
-        if self._recording:
-            if index not in self._order:
-                self._order.append(index)
+        order = self._order[self._phase]
+        if not self._recorded[self._phase]:
+            if index not in order:
+                order.append(index)
+            return
+        if index not in order:
             return
         position = order.index(index)
         if position <= self._cursor:
@@ -240,8 +244,8 @@ class ShardedStates:
 
     def _begin_phase(self, phase: str) -> None:
         if self.stage == 3:
-            if self._phase == "forward" and self._order:
-                self._recording = False  # the first forward pass has shown the order
+            if self._order[self._phase]:
+                self._recorded[self._phase] = True  # the pass that just ended has shown its order
             for index in range(len(self.units)):
                 self.release(index)  # a prefetch the pass did not use
             self._phase, self._cursor = phase, -1
@@ -327,7 +331,7 @@ class ShardedStates:
         return self._split(flat, [u.shard_numel for u in self.units])
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
-        local = sum(float(g.double().square().sum()) for g in grads)
+        local = sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads)
         return math.sqrt(self.comm.sum(local))  # shards are disjoint: squares add up to the global norm
 
     def publish(self) -> None:

@@ -339,7 +339,7 @@ class ShardedStates:
         return self._split(flat, [u.shard_numel for u in self.units])
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
-        local = sum(float(g.double().square().sum()) for g in grads)
+        local = sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads)
         return math.sqrt(self.comm.sum(local))  # shards are disjoint: squares add up to the global norm
 
     def publish(self) -> None:
