@@ -258,3 +258,10 @@ def test_recomputation_changes_nothing_in_the_result(stage):
     results = check(run_ranks(_recompute, 2, stage))
     reference = _train(0, 1, _config(0), steps=3)
     assert _max_rel(results[0]["weights"], reference["weights"]) < 1e-6
+
+
+def test_stage3_setup_never_holds_more_than_one_unit_of_full_weights():
+    accel = EmulatedAccelerator()
+    engine = zo.initialize(TinyGPT("nano"), _config(3), accelerator=accel)
+    largest_unit = 4 * max(unit.padded_numel for unit in engine.states.units)
+    assert accel.memory_stats().peak <= accel.memory_stats().in_use + largest_unit

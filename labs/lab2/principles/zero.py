@@ -123,8 +123,7 @@ class ShardedStates:
         else:
             self.flat_param = accel.empty(shard_numel, low, category="parameters")
             self.param_shards = self._split(self.flat_param, shard_sizes)
-            # Gather buffers: allocated for their shape (the parameters become views into them), then freed.
-            self.full_params = [accel.empty(u.padded_numel, low, category="parameters") for u in self.units]
+            self.full_params = []  # gather buffers: made one unit at a time in _initialise
         if self.stage == 1:
             self.flat_grad = accel.zeros(full_numel, low, category="gradients")
             self.full_grads = self._split(self.flat_grad, [u.padded_numel for u in self.units])
@@ -151,6 +150,12 @@ class ShardedStates:
             _fill_from(values, unit, self.master_params[index])  # from fp32: no double rounding
             if self.master is not None:
                 self.param_shards[index].copy_(self.master_params[index])
+            if self.stage == 3:
+                # Allocated for its shape (the parameters become views into it) and freed below, before the
+                # next unit's: setting up never holds more than one unit's full weights on the device.
+                self.full_params.append(
+                    self.accel.empty(unit.padded_numel, self.dtype, category="parameters")
+                )
             full = self.full_params[index]
             if self.stage < 3:
                 for value, offset, numel in zip(values, unit.offsets, unit.numels, strict=True):
