@@ -505,7 +505,8 @@ _SCHEDULER_RULES = {
 }
 
 
-def _scheduler(s: _Section, lr: float) -> SchedulerConfig:
+def _scheduler(s: _Section) -> SchedulerConfig:
+    # Defaults are DeepSpeed's constructor defaults: WarmupLR warms up to 1e-3, not to the optimizer's lr.
     kind = s.choice("type", tuple(_SCHEDULERS))
     p = s.section("params")
     s.done()
@@ -514,8 +515,6 @@ def _scheduler(s: _Section, lr: float) -> SchedulerConfig:
         if name == "warmup_type":
             params[name] = p.choice(name, ("log", "linear"), default)
             continue
-        if kind == "WarmupLR" and name == "warmup_max_lr":
-            default = lr  # DeepSpeed's WarmupLR warms up to the optimizer's lr unless told otherwise
         if default is _REQUIRED and not p.has(name):
             raise ConfigError(
                 p.key(name),
@@ -707,9 +706,7 @@ def _parse(data, world_size: int) -> Config:
         ignored.append("amp")  # its other keys are Apex options, meaningless while amp is off
     fp16 = _fp16(top.section("fp16"))
     optimizer = _optimizer(top.section("optimizer")) if top.has("optimizer") else OptimizerConfig()
-    scheduler = (
-        _scheduler(top.section("scheduler"), optimizer.lr) if top.has("scheduler") else SchedulerConfig()
-    )
+    scheduler = _scheduler(top.section("scheduler")) if top.has("scheduler") else SchedulerConfig()
     checkpointing = ActivationCheckpointingConfig()
     if top.has("activation_checkpointing"):
         checkpointing = _activation_checkpointing(top.section("activation_checkpointing"))

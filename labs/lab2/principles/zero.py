@@ -23,6 +23,7 @@ import torch
 
 from ..accelerator import Accelerator
 from ..basics.precision import LOW_PRECISION, has_overflow
+from ..implementation.buckets import GradientBuckets
 from .comm import Comm
 from .partition import Unit, build_units
 
@@ -72,8 +73,6 @@ class ShardedStates:
             raise ValueError(f"ShardedStates handles stages 1-3, got {stage}")
         self.accel, self.comm, self.stage, self.precision = accel, comm, stage, precision
         self.dtype = LOW_PRECISION[precision]
-        self.overlap = zero.overlap_comm
-        self.bucket_numel = zero.reduce_bucket_size
         self.units = build_units(model, comm.world_size, comm.rank)
         if not self.units:
             raise ValueError("the model has no trainable parameters")
@@ -86,24 +85,35 @@ class ShardedStates:
             "full": full_numel - self.numel,
             "shard": shard_numel - math.ceil(self.numel / comm.world_size),
         }
+        # Stage 1 keeps full gradients and reduces them at the step; from stage 2 on they leave in buckets.
+        self.partition_gradients = self._partitions_gradients()
         initial = [p.detach() for p in self.params]  # the model's fp32 values, read before we rebind them
-        self._allocate(full_numel, shard_numel)
+        self._allocate_weights(full_numel, shard_numel)
+        self._allocate_gradients(full_numel, shard_numel)
+        self._allocate_optimizer_states(shard_numel)
         self._initialise(initial)
         self._unit_of = {
             id(p): (index, i) for index, unit in enumerate(self.units) for i, p in enumerate(unit.params)
         }
-        self._staging: dict[int, torch.Tensor] = {}  # unit index -> full gradient being collected
-        self._remaining: dict[int, int] = {}
-        self._bucket: list[int] = []
-        self._inflight: list = []
         self.grad_shard_transient = None
         self.prefetch_numel = zero.allgather_bucket_size
         self._order = {"forward": [], "backward": []}  # units in the order the first pass of each used them
         self._recorded = {"forward": False, "backward": False}
         self._phase, self._cursor = "forward", -1
-        if stage >= 2:
-            for param in self.params:
-                param.register_post_accumulate_grad_hook(self._on_gradient)
+        self.buckets = None
+        if self.partition_gradients:
+            self.buckets = GradientBuckets(
+                self.units,
+                accel,
+                comm,
+                self.dtype,
+                bucket_numel=zero.reduce_bucket_size,
+                overlap=zero.overlap_comm,
+                reduce=reduce_scatter_unit,
+                deliver=self._deliver_gradient,
+                on_unit_complete=self.release if stage == 3 else None,
+            )
+            self.buckets.register_hooks()
         if stage == 3:
             self._install_gather_hooks(model)
 
@@ -111,9 +121,11 @@ class ShardedStates:
     def _split(self, flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         return list(torch.split(flat, sizes))
 
-    def _allocate(self, full_numel: int, shard_numel: int) -> None:
+    def _partitions_gradients(self) -> bool:
+        return self.stage >= 2
+
+    def _allocate_weights(self, full_numel: int, shard_numel: int) -> None:
         accel, low = self.accel, self.dtype
-        shard_sizes = [u.shard_numel for u in self.units]
         if self.stage < 3:
             self.flat_param = accel.empty(full_numel, low, category="parameters")
             self.full_params = self._split(self.flat_param, [u.padded_numel for u in self.units])
@@ -122,14 +134,20 @@ class ShardedStates:
             ]
         else:
             self.flat_param = accel.empty(shard_numel, low, category="parameters")
-            self.param_shards = self._split(self.flat_param, shard_sizes)
+            self.param_shards = self._split(self.flat_param, [u.shard_numel for u in self.units])
             self.full_params = []  # gather buffers: made one unit at a time in _initialise
-        if self.stage == 1:
-            self.flat_grad = accel.zeros(full_numel, low, category="gradients")
+
+    def _allocate_gradients(self, full_numel: int, shard_numel: int) -> None:
+        if not self.partition_gradients:
+            self.flat_grad = self.accel.zeros(full_numel, self.dtype, category="gradients")
             self.full_grads = self._split(self.flat_grad, [u.padded_numel for u in self.units])
         else:
-            self.flat_grad = accel.zeros(shard_numel, low, category="gradients")
-            self.grad_shards = self._split(self.flat_grad, shard_sizes)
+            self.flat_grad = self.accel.zeros(shard_numel, self.dtype, category="gradients")
+            self.grad_shards = self._split(self.flat_grad, [u.shard_numel for u in self.units])
+
+    def _allocate_optimizer_states(self, shard_numel: int) -> None:
+        accel, low = self.accel, self.dtype
+        shard_sizes = [u.shard_numel for u in self.units]
         if low == torch.float32:
             self.master = None  # fp32 weights are their own master: the optimizer updates the weight shards
             self.master_params = self.param_shards
@@ -163,7 +181,7 @@ class ShardedStates:
                 full[unit.numel :].zero_()
             for param, offset, numel in zip(unit.params, unit.offsets, unit.numels, strict=True):
                 param.data = full[offset : offset + numel].view_as(param)
-                if self.stage == 1:
+                if not self.partition_gradients:
                     param.grad = self.full_grads[index][offset : offset + numel].view_as(param)
             if self.stage == 3:
                 # The parameters are views into `full` through .data, which shares memory but not autograd's
@@ -255,42 +273,9 @@ class ShardedStates:
                 self.release(index)  # a prefetch the pass did not use
             self._phase, self._cursor = phase, -1
 
-    # -- stage 2/3: gradients leave as backward produces them -------------------------------------------------
-    def _on_gradient(self, param: torch.nn.Parameter) -> None:
-        index, i = self._unit_of[id(param)]
-        unit = self.units[index]
-        staging = self._staging.get(index)
-        if staging is None:
-            staging = self._staging[index] = self.accel.zeros(
-                unit.padded_numel, self.dtype, category="buckets"
-            )
-            self._remaining[index] = len(unit.params)
-        staging[unit.offsets[i] : unit.offsets[i] + unit.numels[i]].add_(param.grad.reshape(-1))
-        param.grad = None  # the full gradient lives only in the bucket now
-        self._remaining[index] -= 1
-        if self._remaining[index] == 0:
-            if self.stage == 3:
-                self.release(index)
-            self._bucket.append(index)
-            if sum(self.units[i].padded_numel for i in self._bucket) >= self.bucket_numel:
-                self._flush()
-
-    def _flush(self) -> None:
-        for index in self._bucket:
-            staging = self._staging.pop(index)
-            out = self.accel.empty(self.units[index].shard_numel, self.dtype, category="buckets")
-            work = reduce_scatter_unit(self.comm, staging, out, async_op=self.overlap)
-            self._inflight.append((index, staging, out, work))
-        self._bucket = []
-        if not self.overlap:
-            self._drain()
-
-    def _drain(self) -> None:
-        for index, _staging, out, work in self._inflight:
-            if work is not None:
-                work.wait()
-            self.grad_shards[index].add_(out)  # accumulates over micro-batches
-        self._inflight = []
+    # -- stage 2/3: gradients leave in buckets as backward produces them (implementation/buckets.py) ---------
+    def _deliver_gradient(self, index: int, shard: torch.Tensor) -> None:
+        self.grad_shards[index].add_(shard)  # accumulates over micro-batches
 
     # -- what the engine calls, in order -----------------------------------------------------------------------
     def before_forward(self) -> None:
@@ -298,7 +283,7 @@ class ShardedStates:
 
     def before_backward(self) -> None:
         self._begin_phase("backward")
-        if self.stage == 1:
+        if not self.partition_gradients:
             for unit, full in zip(self.units, self.full_grads, strict=True):
                 for param, offset, numel in zip(unit.params, unit.offsets, unit.numels, strict=True):
                     if param.grad is None:  # model.zero_grad() set it to None
@@ -306,15 +291,12 @@ class ShardedStates:
 
     def after_backward(self) -> None:
         """Reduce what backward left in buckets: the last bucket, and units with unused parameters."""
-        if self.stage >= 2:
-            self._bucket += [i for i in self._staging if i not in self._bucket]
-            self._flush()
-            self._drain()
-            self._remaining.clear()
+        if self.buckets is not None:
+            self.buckets.finish()
         self._begin_phase("forward")
 
     def reduce_gradients(self) -> None:
-        if self.stage == 1:
+        if not self.partition_gradients:
             # The averaged shard exists from here to the end of the step; the full gradients stay, as stage 1
             # keeps them.
             flat = self.accel.empty(sum(u.shard_numel for u in self.units), self.dtype, category="buckets")
@@ -324,7 +306,7 @@ class ShardedStates:
                 reduce_scatter_unit(self.comm, full, shard)
 
     def _grad_shard_flat(self) -> torch.Tensor:
-        return self.grad_shard_transient if self.stage == 1 else self.flat_grad
+        return self.flat_grad if self.partition_gradients else self.grad_shard_transient
 
     def overflow(self) -> bool:
         return self.comm.any(has_overflow(self._grad_shard_flat()))
@@ -350,7 +332,7 @@ class ShardedStates:
 
     def zero_grad(self) -> None:
         self.flat_grad.zero_()
-        if self.stage == 1:
+        if not self.partition_gradients:
             self.grad_shard_transient = None
             self.grad_shards = None
 

@@ -1,0 +1,109 @@
+"""Gradient buckets: gradients leave the device in large, contiguous pieces while backward is still running.
+
+Backward produces gradients layer by layer, from the output back to the input. Waiting for all of them before
+reducing would hold a full gradient on the device (what ZeRO-2 removes) and leave the network idle during
+backward. Reducing each parameter's gradient alone would send thousands of tiny messages, each paying the
+collective's fixed latency. A bucket sits between the two:
+
+  1. a post-accumulate-grad hook fires when a parameter's gradient is complete; it is added into its unit's
+     staging buffer and `param.grad` is dropped (the gradient now lives only in the bucket);
+  2. when every parameter of a unit has arrived, the unit joins the current bucket;
+  3. once the bucket holds `reduce_bucket_size` elements it is reduce-scattered (asynchronously with
+     `overlap_comm`), so rank r receives the averaged shard r of each unit in it;
+  4. when a reduction completes, `deliver(index, shard)` hands the shard on: into the device gradient shard
+     (ZeRO-2) or across PCIe into the host's fp32 gradient buffer (ZeRO-Offload, see offload.py).
+
+The device never holds more than the buckets in flight: about `reduce_bucket_size` elements, plus one unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..accelerator import Accelerator
+from ..principles.comm import Comm
+from ..principles.partition import Unit
+
+# reduce(comm, full_grad, shard_out, async_op=...) -> handle or None: principles.zero.reduce_scatter_unit
+ReduceScatter = Callable[..., object]
+
+
+class GradientBuckets:
+    """Collects gradients per unit as backward produces them and reduce-scatters them bucket by bucket."""
+
+    def __init__(
+        self,
+        units: list[Unit],
+        accel: Accelerator,
+        comm: Comm,
+        dtype: torch.dtype,
+        *,
+        bucket_numel: int,
+        overlap: bool,
+        reduce: ReduceScatter,
+        deliver: Callable[[int, torch.Tensor], None],
+        on_unit_complete: Callable[[int], None] | None = None,
+    ):
+        self.units, self.accel, self.comm, self.dtype = units, accel, comm, dtype
+        self.bucket_numel, self.overlap = bucket_numel, overlap
+        self.reduce, self.deliver, self.on_unit_complete = reduce, deliver, on_unit_complete
+        self._unit_of = {id(p): (index, i) for index, u in enumerate(units) for i, p in enumerate(u.params)}
+        self._staging: dict[int, torch.Tensor] = {}  # unit index -> its full gradient being collected
+        self._remaining: dict[int, int] = {}  # unit index -> parameters whose gradient has not arrived
+        self._bucket: list[int] = []  # complete units waiting for the bucket to fill
+        self._inflight: list = []  # (index, staging, shard, handle) of reductions started
+        self.reductions = 0  # reduce-scatter calls issued (one per unit, grouped in buckets)
+
+    def register_hooks(self) -> None:
+        for unit in self.units:
+            for param in unit.params:
+                param.register_post_accumulate_grad_hook(self.add)
+
+    def add(self, param: torch.nn.Parameter) -> None:
+        """The post-accumulate-grad hook: move `param.grad` into its unit's staging buffer."""
+        index, i = self._unit_of[id(param)]
+        unit = self.units[index]
+        staging = self._staging.get(index)
+        if staging is None:
+            staging = self._staging[index] = self.accel.zeros(
+                unit.padded_numel, self.dtype, category="buckets"
+            )
+            self._remaining[index] = len(unit.params)
+        staging[unit.offsets[i] : unit.offsets[i] + unit.numels[i]].add_(param.grad.reshape(-1))
+        param.grad = None  # the gradient lives only in the bucket now
+        self._remaining[index] -= 1
+        if self._remaining[index] == 0:
+            if self.on_unit_complete is not None:
+                self.on_unit_complete(index)
+            self._bucket.append(index)
+            if sum(self.units[j].padded_numel for j in self._bucket) >= self.bucket_numel:
+                self.flush()
+
+    def flush(self) -> None:
+        """Start the reduce-scatter of every unit in the current bucket."""
+        for index in self._bucket:
+            staging = self._staging.pop(index)
+            shard = self.accel.empty(self.units[index].shard_numel, self.dtype, category="buckets")
+            handle = self.reduce(self.comm, staging, shard, async_op=self.overlap)
+            self._inflight.append((index, staging, shard, handle))
+            self.reductions += 1
+        self._bucket = []
+        if not self.overlap:
+            self.drain()
+
+    def drain(self) -> None:
+        """Wait for the reductions in flight and deliver their shards, in the order they were started."""
+        for index, _staging, shard, handle in self._inflight:
+            if handle is not None:
+                handle.wait()
+            self.deliver(index, shard)
+        self._inflight = []  # staging and shards die here: the bucket memory goes back to the device
+
+    def finish(self) -> None:
+        """End of backward: reduce what is left (the last bucket, units with unused parameters) and wait."""
+        self._bucket += [i for i in self._staging if i not in self._bucket]
+        self.flush()
+        self.drain()
+        self._remaining.clear()
