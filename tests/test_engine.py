@@ -166,8 +166,15 @@ def test_backward_needs_a_scalar_loss():
 @pytest.mark.parametrize(
     "extra, module",
     [
-        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "module 3"),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+            "module 4",
+        ),
         ({"zero_offload": {"cpu_adam": {"impl": "simd"}}}, "module 4"),
+        (
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
+            "module 5",
+        ),
     ],
 )
 def test_configs_of_later_modules_say_which_module_brings_them(extra, module):

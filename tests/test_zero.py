@@ -12,75 +12,23 @@ import os
 
 import pytest
 import torch
-from corpus import fixed_corpus
 from distributed import check, run_ranks
+from training import BATCH, SEQ, make_config, max_rel, train_run
 
 import zero_offload as zo
 from zero_offload.accelerator import EmulatedAccelerator
 from zero_offload.config import ConfigError
 from zero_offload.principles.comm import CommunicationError
-from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss
-
-STEPS, BATCH, SEQ = 20, 6, 32  # a batch of 6 splits over 1, 2 and 3 ranks
-# lr 1e-3: measured on this model, one step differs from one process by 6e-8 (summation order); with lr 3e-3
-# training is chaotic enough to grow that to 3e-6 in 20 steps, with 1e-3 it stays below 5e-7.
-
-
-def _config(stage, precision="fp32", **zero):
-    config = {
-        "train_batch_size": BATCH,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-3, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 20_000, **zero},
-    }
-    if precision != "fp32":
-        # A modest loss scale: a rank's gradient (over fewer samples) can overflow fp16 where the whole batch's
-        # does not; a skip on one side only would compare two different trajectories.
-        config[precision] = {"enabled": True, "initial_scale_power": 10}
-    return config
-
-
-def _train(rank, world_size, config, steps=STEPS, accumulation=1):
-    """Train the tiny GPT; return the full final weights, the norms, the traffic and the memory books."""
-    data = ByteBatches(fixed_corpus(), SEQ, seed=11)
-    model = TinyGPT("nano", seed=0)
-    engine = zo.initialize(model, config, accelerator=EmulatedAccelerator())
-    micro = BATCH // (world_size * accumulation)
-    for step in range(steps):
-        for k in range(accumulation):
-            x, y = data.micro_batch(
-                step, micro, micro_step=k, rank=rank, world_size=world_size, accumulation=accumulation
-            )
-            engine.backward(lm_loss(engine(x), y))
-            engine.step()
-        if step == 0:
-            traffic = dict(engine.comm.elements)
-    if engine.config.zero_optimization.stage == 3:
-        for index in range(len(engine.states.units)):
-            engine.states.gather(index)
-    report = engine.memory_report()
-    return {
-        "weights": {n: p.detach().float().clone() for n, p in model.named_parameters()},
-        "norms": [r["grad_norm"] for r in engine.history],
-        "traffic": traffic,
-        "measured": report.measured.bytes,
-        "estimated": report.estimated.bytes,
-        "padding": getattr(engine.states, "padding", None),
-        "units": [(u.numel, u.padded_numel) for u in getattr(engine.states, "units", [])],
-    }
+from zero_offload.workloads import TinyGPT, lm_loss
 
 
 def _all_stages(rank, world_size, precision):
-    return {stage: _train(rank, world_size, _config(stage, precision)) for stage in (1, 2, 3)}
+    return {stage: train_run(rank, world_size, make_config(stage, precision)) for stage in (1, 2, 3)}
 
 
 @pytest.fixture(scope="module")
 def single():
-    return {p: _train(0, 1, _config(0, p)) for p in ("fp32", "fp16")}
-
-
-def _max_rel(a: dict, b: dict) -> float:
-    """The largest relative error of any weight tensor, as a norm: ||a - b|| / ||b||."""
-    return max(float(torch.linalg.vector_norm(a[k] - b[k]) / torch.linalg.vector_norm(b[k])) for k in b)
+    return {p: train_run(0, 1, make_config(0, p)) for p in ("fp32", "fp16")}
 
 
 @pytest.mark.slow
@@ -90,7 +38,7 @@ def test_sharded_fp32_training_equals_one_process(single, world_size):
     for stage in (1, 2, 3):
         for rank, result in enumerate(results):
             got = result[stage]
-            assert _max_rel(got["weights"], single["fp32"]["weights"]) < 1e-6, (stage, rank)
+            assert max_rel(got["weights"], single["fp32"]["weights"]) < 1e-6, (stage, rank)
             # Norms catch a wrong scale (sum instead of mean) that Adam's update would hide.
             for ours, reference in zip(got["norms"], single["fp32"]["norms"], strict=True):
                 assert ours == pytest.approx(reference, rel=1e-5), (stage, rank)
@@ -99,13 +47,11 @@ def test_sharded_fp32_training_equals_one_process(single, world_size):
 @pytest.mark.slow
 def test_sharded_fp16_training_stays_within_fp16_rounding(single):
     results = check(run_ranks(_all_stages, 2, "fp16"))
-    fp16_error = _max_rel(
-        single["fp16"]["weights"], single["fp32"]["weights"]
-    )  # the fp16 run's own tolerance
+    fp16_error = max_rel(single["fp16"]["weights"], single["fp32"]["weights"])  # the fp16 run's own tolerance
     assert None not in single["fp16"]["norms"], "no step may be skipped: the runs must take the same path"
     for stage in (1, 2, 3):
         assert None not in results[0][stage]["norms"], stage
-        assert _max_rel(results[0][stage]["weights"], single["fp16"]["weights"]) <= fp16_error, stage
+        assert max_rel(results[0][stage]["weights"], single["fp16"]["weights"]) <= fp16_error, stage
 
 
 def _bytes_per(state, precision="fp32"):
@@ -145,23 +91,23 @@ def test_traffic_per_step_is_2_psi_for_stages_1_2_and_3_psi_for_stage_3():
 
 
 def _accumulate(rank, world_size):
-    config = _config(2, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=BATCH // world_size)
+    config = make_config(2, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=BATCH // world_size)
     config.pop("train_batch_size")
     config["zero_optimization"] = {"stage": 2, "reduce_bucket_size": 20_000}
     config["train_micro_batch_size_per_gpu"] = 1
     config["gradient_accumulation_steps"] = BATCH // world_size
-    return _train(rank, world_size, config, steps=5, accumulation=BATCH // world_size)
+    return train_run(rank, world_size, config, steps=5, accumulation=BATCH // world_size)
 
 
 @pytest.mark.slow
 def test_gradient_accumulation_equals_a_larger_batch(single):
     results = check(run_ranks(_accumulate, 2))
-    reference = _train(0, 1, _config(0), steps=5)
-    assert _max_rel(results[0]["weights"], reference["weights"]) < 1e-6
+    reference = train_run(0, 1, make_config(0), steps=5)
+    assert max_rel(results[0]["weights"], reference["weights"]) < 1e-6
 
 
 def _overflow_on_rank_one(rank, world_size):
-    config = _config(2, "fp16")
+    config = make_config(2, "fp16")
     config["fp16"].update(initial_scale_power=8, hysteresis=1)
     engine = zo.initialize(TinyGPT("nano"), config, accelerator=EmulatedAccelerator())
     x = torch.randint(0, 256, (BATCH // world_size, SEQ), generator=torch.Generator().manual_seed(rank))
@@ -201,13 +147,13 @@ def test_a_global_batch_the_world_size_cannot_divide_is_a_config_error():
 
 
 def test_configs_that_differ_between_ranks_are_detected():
-    configs = [_config(2), _config(2, **{"overlap_comm": True})]
+    configs = [make_config(2), make_config(2, **{"overlap_comm": True})]
     for result in check(run_ranks(_initialize_with, 2, configs)):
         assert result["error"] == "ValueError" and "different configs" in result["message"]
 
 
 def _die_mid_step(rank, world_size):
-    engine = zo.initialize(TinyGPT("nano"), _config(2), accelerator=EmulatedAccelerator())
+    engine = zo.initialize(TinyGPT("nano"), make_config(2), accelerator=EmulatedAccelerator())
     x = torch.randint(0, 256, (BATCH // world_size, SEQ))
     engine.backward(lm_loss(engine(x), x))
     if rank == 1:
@@ -226,15 +172,15 @@ def test_a_rank_that_dies_mid_step_stops_the_others_with_a_clear_error():
 
 
 def test_shard_math_is_consistent_with_one_process():
-    reference = _train(0, 1, _config(0), steps=2)
-    sharded = _train(0, 1, _config(3), steps=2)
-    assert _max_rel(sharded["weights"], reference["weights"]) == 0
+    reference = train_run(0, 1, make_config(0), steps=2)
+    sharded = train_run(0, 1, make_config(3), steps=2)
+    assert max_rel(sharded["weights"], reference["weights"]) == 0
     assert not math.isnan(sharded["norms"][0])
 
 
 def _stage3_prefetch(rank, world_size):
     return {
-        size: _train(rank, world_size, _config(3, allgather_bucket_size=size), steps=4)
+        size: train_run(rank, world_size, make_config(3, allgather_bucket_size=size), steps=4)
         for size in (1, 3_000, 10**9)
     }
 
@@ -248,20 +194,20 @@ def test_stage3_prefetch_changes_traffic_timing_not_results():
 
 
 def _recompute(rank, world_size, stage):
-    config = _config(stage)
+    config = make_config(stage)
     config["activation_checkpointing"] = {}
-    return _train(rank, world_size, config, steps=3)
+    return train_run(rank, world_size, config, steps=3)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_recomputation_changes_nothing_in_the_result(stage):
     results = check(run_ranks(_recompute, 2, stage))
-    reference = _train(0, 1, _config(0), steps=3)
-    assert _max_rel(results[0]["weights"], reference["weights"]) < 1e-6
+    reference = train_run(0, 1, make_config(0), steps=3)
+    assert max_rel(results[0]["weights"], reference["weights"]) < 1e-6
 
 
 def test_stage3_setup_never_holds_more_than_one_unit_of_full_weights():
     accel = EmulatedAccelerator()
-    engine = zo.initialize(TinyGPT("nano"), _config(3), accelerator=accel)
+    engine = zo.initialize(TinyGPT("nano"), make_config(3), accelerator=accel)
     largest_unit = 4 * max(unit.padded_numel for unit in engine.states.units)
     assert accel.memory_stats().peak <= accel.memory_stats().in_use + largest_unit

@@ -1,12 +1,14 @@
 """The engine: composes the pieces of the five modules into `forward`, `backward`, `step`.
 
-It keeps the training loop's logic (loss scaling, accumulation, overflow skips, clipping, the Adam step) and
-hands the model states to one object that decides where they live: module 1's `MixedPrecisionStates`
-(stage 0) or module 2's `ShardedStates` (stages 1-3). Offload and overlap arrive module by module, each as a
-piece the engine composes.
+It keeps the training loop's logic (loss scaling, accumulation, overflow skips, clipping, the Adam step, the
+learning-rate schedule) and hands the model states to one object that decides where they live: module 1's
+`MixedPrecisionStates` (stage 0), module 2's `ShardedStates` (stages 1-3, all on the device) or module 3's
+`OffloadedStates` (the fp32 optimizer half on the host). Overlap arrives with module 5, as another piece.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -20,14 +22,16 @@ from .basics.precision import (
     unique_parameters,
 )
 from .config import Config, load_config
+from .implementation.offload import OffloadedStates, adam_step
+from .implementation.schedulers import build_scheduler
 from .principles.comm import Comm
 from .principles.recompute import checkpoint_blocks
 from .principles.zero import ShardedStates
 
 # Pieces of the config that later modules of the course implement; until then a clear error beats a silent no-op.
 _NOT_YET = {
-    "offload": "CPU offload arrives with module 3 (implementation, zero_offload.implementation)",
-    "scheduler": "learning-rate schedulers arrive with module 3 (implementation)",
+    "nvme": 'the NVMe tier arrives with module 5 (practice); use "device": "cpu"',
+    "ratio": "a partial offload (ratio < 1) arrives with module 4 (tuning); use ratio 1.0",
     "simd": "the SIMD CPU Adam arrives with module 4 (tuning); use cpu_adam.impl 'torch' or 'naive'",
     "delayed_param_update": "the delayed parameter update arrives with module 5 (practice)",
 }
@@ -36,10 +40,19 @@ _NOT_YET = {
 def _check_supported(config: Config) -> None:
     zero = config.zero_optimization
     problems = []
-    if zero.offload_optimizer.enabled or zero.offload_param.enabled:
-        problems.append(("zero_optimization.offload_*", _NOT_YET["offload"]))
-    if config.scheduler.type is not None:
-        problems.append(("scheduler", _NOT_YET["scheduler"]))
+    for name in ("offload_optimizer", "offload_param"):
+        if getattr(zero, name).device == "nvme":
+            problems.append((f"zero_optimization.{name}.device", _NOT_YET["nvme"]))
+    if zero.offload_optimizer.ratio != 1.0:
+        problems.append(("zero_optimization.offload_optimizer.ratio", _NOT_YET["ratio"]))
+    if zero.offload_param.enabled and not zero.offload_optimizer.enabled:
+        problems.append(
+            (
+                "zero_optimization.offload_param",
+                "offloading the fp16 weights while the fp32 master weights and moments (8x their size) stay on "
+                'the device saves the least memory for the most traffic; add "offload_optimizer": {"device": "cpu"}',
+            )
+        )
     if config.zero_offload.cpu_adam.impl == "simd":
         problems.append(("zero_offload.cpu_adam.impl", _NOT_YET["simd"]))
     if config.zero_offload.delayed_param_update.enabled:
@@ -91,12 +104,26 @@ class Engine:
         params = unique_parameters(model)
         if not params:
             raise ValueError("the model has no trainable parameters")
-        stage = config.zero_optimization.stage
-        if stage == 0:
+        if config.fp16.enabled:
+            self.scaler = DynamicLossScaler.from_config(config.fp16)
+        else:
+            self.scaler = StaticLossScaler(1.0)  # bf16 and fp32 have fp32's exponent range: no scaling
+        zero = config.zero_optimization
+        if zero.stage == 0:
             self.states = MixedPrecisionStates(params, self.accelerator, config.precision, self.comm)
+        elif zero.offload_optimizer.enabled:
+            self.states = OffloadedStates(
+                model,
+                self.accelerator,
+                config.precision,
+                zero.stage,
+                self.comm,
+                zero,
+                loss_scale=lambda: self.scaler.scale,
+            )
         else:
             self.states = ShardedStates(
-                model, self.accelerator, config.precision, stage, self.comm, config.zero_optimization
+                model, self.accelerator, config.precision, zero.stage, self.comm, zero
             )
         self.params = self.states.params
         self.num_params = self.states.numel
@@ -105,10 +132,7 @@ class Engine:
         self.optimizer = build_optimizer(
             config, self.states.master_params, self.states.exp_avgs, self.states.exp_avg_sqs
         )
-        if config.fp16.enabled:
-            self.scaler = DynamicLossScaler.from_config(config.fp16)
-        else:
-            self.scaler = StaticLossScaler(1.0)  # bf16 and fp32 have fp32's exponent range: no scaling
+        self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
         self.ledger = MemoryLedger(self.accelerator)
         self.states.record(self.ledger)
         self._upcast = self.accelerator.compute_dtype(self.states.dtype) != self.states.dtype
@@ -119,7 +143,8 @@ class Engine:
         self.micro_steps = 0  # backward calls so far
         self.global_steps = 0  # optimizer steps taken or skipped
         self.skipped_steps = 0
-        self.history: list[dict] = []  # one entry per optimizer step: scale, overflow, gradient norm
+        # One entry per optimizer step: loss scale, overflow, gradient norm, learning rate, Adam's seconds.
+        self.history: list[dict] = []
 
     # -- forward ---------------------------------------------------------------------------------------------------
     def _install_upcast_hooks(self) -> None:
@@ -199,12 +224,16 @@ class Engine:
             "loss_scale": scaler.scale,
             "overflow": overflow,
             "grad_norm": None,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "adam_seconds": 0.0,
         }
         if overflow:
-            # The update is skipped whole: master weights and moments are not touched.
+            # The update is skipped whole: master weights, moments and the schedule are not touched.
             self.skipped_steps += 1
         else:
             self._update(record)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
         scaler.update(overflow)
         states.zero_grad()
         self.global_steps += 1
@@ -212,24 +241,32 @@ class Engine:
 
     def _update(self, record: dict) -> None:
         states = self.states
-        grads = states.fp32_gradients()
-        factor = 1.0 / self.scaler.scale
-        norm = states.grad_norm(grads) * factor
+        grads = states.fp32_gradients(1.0 / self.scaler.scale)
+        norm = states.grad_norm(grads)
         record["grad_norm"] = norm
-        clip = self.config.gradient_clipping
+        clip, clip_factor = self.config.gradient_clipping, 1.0
         if clip > 0 and norm > clip:
-            factor *= clip / (norm + 1e-6)
-        for param, grad in zip(states.master_params, grads, strict=True):
-            if factor != 1.0:
-                grad.mul_(factor)
-            param.grad = grad
-        self.optimizer.step()
-        for param in states.master_params:
-            param.grad = None
+            clip_factor = clip / (norm + 1e-6)
+        start = time.perf_counter()
+        adam_step(self.optimizer, states.master_params, grads, clip_factor)
+        record["adam_seconds"] = time.perf_counter() - start
         states.publish()
 
     def zero_grad(self) -> None:
         self.states.zero_grad()
+
+    # -- checkpoints (implementation/checkpoint.py) ------------------------------------------------------------------
+    def save_checkpoint(self, path) -> None:
+        """Every rank writes its shard of the model states, with what it takes to resume, into directory `path`."""
+        from .implementation.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path)
+
+    def load_checkpoint(self, path) -> None:
+        """Resume from `path`, saved by any world size: shards are re-cut for this one."""
+        from .implementation.checkpoint import load_checkpoint
+
+        load_checkpoint(self, path)
 
     # -- reporting -------------------------------------------------------------------------------------------------
     def estimate_model_states(self):

@@ -52,7 +52,7 @@ LABS: dict[int, Lab] = {lab.number: lab for lab in (
         Task("2.2", "Reduce-scatter into the owned shard", 25),
         Task("2.3", "All-gather of updated parameters", 25),
         Task("2.4", "Stage-3 gather and release around a layer", 25))),
-    Lab(3, "implementation", "实现篇 implementation: CPU offload of the optimizer step", False, (
+    Lab(3, "implementation", "实现篇 implementation: CPU offload of the optimizer step", True, (
         Task("3.1", "Copy the gradient partition to the host fp32 buffer", 25),
         Task("3.2", "The offloaded Adam step over the flat partition", 25),
         Task("3.3", "Cast and upload the updated weights", 25),

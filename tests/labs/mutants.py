@@ -126,7 +126,7 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
             else:
                 result.add("gradients", "host", 4 * shard)
             states = shard if stage >= 1 else num_params
-            if precision != "fp32":
+            if precision != "fp32" or offload_optimizer != "none":
                 result.add("master_weights", tier_of[offload_optimizer], 4 * states)
             result.add("exp_avg", tier_of[offload_optimizer], 4 * states)
             result.add("exp_avg_sq", tier_of[offload_optimizer], 4 * states)
@@ -138,6 +138,25 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
             tier_of = {"none": "device", "cpu": "host", "nvme": "nvme"}
             low = 4 if precision == "fp32" else 2
             shard = num_params // world_size
+            weights = shard if stage == 3 else num_params
+            result.add("parameters", tier_of[offload_param], low * weights)
+            if offload_optimizer == "none":
+                result.add("gradients", "device", low * (shard if stage >= 2 else num_params))
+            else:
+                result.add("gradients", "host", 4 * shard)
+            states = shard if stage >= 1 else num_params
+            if precision != "fp32" or offload_optimizer != "none":
+                result.add("master_weights", tier_of[offload_optimizer], 4 * states)
+            result.add("exp_avg", tier_of[offload_optimizer], 4 * states)
+            result.add("exp_avg_sq", tier_of[offload_optimizer], 4 * states)
+        """,
+        ),
+        (
+            "fp32 offload without a host master copy",
+            """
+            tier_of = {"none": "device", "cpu": "host", "nvme": "nvme"}
+            low = 4 if precision == "fp32" else 2
+            shard = math.ceil(num_params / world_size)
             weights = shard if stage == 3 else num_params
             result.add("parameters", tier_of[offload_param], low * weights)
             if offload_optimizer == "none":
@@ -203,9 +222,12 @@ MUTANTS: dict[str, list[tuple[str, str]]] = {
     ],
 }
 
-MUTANTS.update({
-    "2.1": [
-        ("shard size rounded down: the tail is lost", """
+MUTANTS.update(
+    {
+        "2.1": [
+            (
+                "shard size rounded down: the tail is lost",
+                """
             total = sum(numels)
             shard_numel = align * (total // (world_size * align))
             start, end = rank * shard_numel, (rank + 1) * shard_numel
@@ -216,8 +238,11 @@ MUTANTS.update({
                 if lo < hi:
                     slices.append(Slice(index, lo - offset, lo - start, hi - lo))
                 offset += numel
-        """),
-        ("slice positions taken from the buffer, not the shard", """
+        """,
+            ),
+            (
+                "slice positions taken from the buffer, not the shard",
+                """
             total = sum(numels)
             shard_numel = align * math.ceil(total / (world_size * align))
             start, end = rank * shard_numel, (rank + 1) * shard_numel
@@ -228,8 +253,11 @@ MUTANTS.update({
                 if lo < hi:
                     slices.append(Slice(index, lo - offset, lo, hi - lo))
                 offset += numel
-        """),
-        ("off by one at the shard boundary", """
+        """,
+            ),
+            (
+                "off by one at the shard boundary",
+                """
             total = sum(numels)
             shard_numel = align * math.ceil(total / (world_size * align))
             start, end = rank * shard_numel, (rank + 1) * shard_numel
@@ -240,58 +268,165 @@ MUTANTS.update({
                 if lo < hi:
                     slices.append(Slice(index, lo - offset, lo - start, hi - lo))
                 offset += numel
-        """),
-    ],
-    "2.2": [
-        ("summed, not averaged", """
+        """,
+            ),
+        ],
+        "2.2": [
+            (
+                "summed, not averaged",
+                """
             return comm.reduce_scatter(shard_out, full_grad, async_op=async_op)
-        """),
-        ("averaged after the collective, on the input instead of the output", """
+        """,
+            ),
+            (
+                "averaged after the collective, on the input instead of the output",
+                """
             work = comm.reduce_scatter(shard_out, full_grad, async_op=async_op)
             full_grad.div_(comm.world_size)
             return work
-        """),
-        ("every rank keeps chunk 0 of an all-reduce", """
+        """,
+            ),
+            (
+                "every rank keeps chunk 0 of an all-reduce",
+                """
             full_grad.div_(comm.world_size)
             comm.all_reduce(full_grad)
             shard_out.copy_(full_grad[: shard_out.numel()])
             return None
-        """),
-    ],
-    "2.3": [
-        ("master weights never rounded into the shard: the weights never move", """
+        """,
+            ),
+        ],
+        "2.3": [
+            (
+                "master weights never rounded into the shard: the weights never move",
+                """
             for index in range(len(self.units)):
                 if self.stage < 3:
                     all_gather_unit(self.comm, self.full_params[index], self.param_shards[index])
-        """),
-        ("no all-gather: other ranks' parts of the weights go stale", """
+        """,
+            ),
+            (
+                "no all-gather: other ranks' parts of the weights go stale",
+                """
             for index in range(len(self.units)):
                 if self.master is not None:
                     self.param_shards[index].copy_(self.master_params[index])
-        """),
-        ("all-gather at stage 3 too, into freed memory", """
+        """,
+            ),
+            (
+                "all-gather at stage 3 too, into freed memory",
+                """
             for index in range(len(self.units)):
                 if self.master is not None:
                     self.param_shards[index].copy_(self.master_params[index])
                 all_gather_unit(self.comm, self.full_params[index], self.param_shards[index])
-        """),
-    ],
-    "2.4": [
-        ("storage never restored", """
+        """,
+            ),
+        ],
+        "2.4": [
+            (
+                "storage never restored",
+                """
             work = all_gather_unit(self.comm, self.full_params[index], self.param_shards[index], async_op=async_op)
             unit.gathered = True
             return work
-        """),
-        ("only this rank's shard copied in: the rest is garbage", """
+        """,
+            ),
+            (
+                "only this rank's shard copied in: the rest is garbage",
+                """
             self.accel.restore_storage(self.full_params[index], "parameters")
             n = self.param_shards[index].numel()
             self.full_params[index][self.comm.rank * n : (self.comm.rank + 1) * n].copy_(self.param_shards[index])
             unit.gathered = True
             return None
-        """),
-        ("never marked gathered: every use gathers again", """
+        """,
+            ),
+            (
+                "never marked gathered: every use gathers again",
+                """
             self.accel.restore_storage(self.full_params[index], "parameters")
             return all_gather_unit(self.comm, self.full_params[index], self.param_shards[index], async_op=async_op)
-        """),
-    ],
-})
+        """,
+            ),
+        ],
+    }
+)
+
+
+MUTANTS.update(
+    {
+        "3.1": [
+            (
+                "overwrites the host gradient instead of accumulating",
+                """
+            transfers.to_host(host_staging, device_shard)
+            host_grad.copy_(host_staging).mul_(inv_scale)
+        """,
+            ),
+            (
+                "forgets to divide out the loss scale",
+                """
+            transfers.to_host(host_staging, device_shard)
+            host_grad.add_(host_staging)
+        """,
+            ),
+            (
+                "upcasts on the device: 4 bytes cross the link",
+                """
+            host_grad.add_(device_shard.float().to(host_grad.device), alpha=inv_scale)
+        """,
+            ),
+        ],
+        "3.2": [
+            (
+                "clipping factor ignored",
+                """
+            for master, grad in zip(masters, grads, strict=True):
+                master.grad = grad
+            optimizer.step()
+            for master in masters:
+                master.grad = None
+        """,
+            ),
+            (
+                "gradients left attached after the step",
+                """
+            for master, grad in zip(masters, grads, strict=True):
+                master.grad = grad.mul_(clip_factor)
+            optimizer.step()
+        """,
+            ),
+        ],
+        "3.3": [
+            (
+                "uploads before casting: the device gets last step's weights",
+                """
+            transfers.to_device(device_shard, host_low)
+            if host_low.data_ptr() != master.data_ptr():
+                host_low.copy_(master)
+        """,
+            ),
+            (
+                "copies the fp32 master straight into the device shard",
+                """
+            device_shard.copy_(master)
+        """,
+            ),
+        ],
+        "3.4": [
+            (
+                "only this rank's overflow counts",
+                """
+            return not bool(torch.isfinite(host_grad).all())
+        """,
+            ),
+            (
+                "inf is checked, nan is not",
+                """
+            return comm.any(bool(torch.isinf(host_grad).any()))
+        """,
+            ),
+        ],
+    }
+)

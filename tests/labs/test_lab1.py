@@ -166,7 +166,7 @@ def test_13b_model_needs_208_gb_not_156():
         (dict(stage=2, world_size=1, offload_optimizer="cpu"), 2 * P, 16 * P, 0),
         (dict(stage=2, world_size=N, offload_optimizer="cpu"), 2 * P, 16 * 250, 0),
         (dict(stage=1, world_size=N, offload_optimizer="cpu", precision="bf16"), 2 * P, 16 * 250, 0),
-        (dict(stage=2, world_size=N, offload_optimizer="cpu", precision="fp32"), 4 * P, 12 * 250, 0),
+        (dict(stage=2, world_size=N, offload_optimizer="cpu", precision="fp32"), 4 * P, 16 * 250, 0),
         (dict(stage=3, world_size=N, offload_optimizer="cpu", offload_param="cpu"), 0, 18 * 250, 0),
         (dict(stage=3, world_size=N, offload_optimizer="nvme", offload_param="nvme"), 0, 4 * 250, 14 * 250),
     ],

@@ -14,7 +14,8 @@ ZeRO-Offload moves states to the host:      offload_optimizer: master, m, v, and
                                             the host keeps in fp32 (4 bytes) for the CPU Adam; the device keeps
                                             only the weights (gradients leave it bucket by bucket);
                                             offload_param (stage 3): the weight shards too.
-So with stage 2 and CPU offload the host holds 4 + 4 + 4 + 4 = 16 bytes per parameter of its shard.
+So with stage 2 and CPU offload the host holds 4 + 4 + 4 + 4 = 16 bytes per parameter of its shard; in fp32
+training too, because the host's master copy is separate from the weights the device computes with.
 
 `estimate_model_states` computes these numbers; `MemoryLedger` measures the same quantities from the storage of
 the tensors the engine really allocated. Shards are rounded up to whole elements (ceil(P / N)); the engine's
@@ -98,6 +99,7 @@ def estimate_model_states(
     Per parameter (P parameters, N ranks, shard = ceil(P / N)):
         fp16/bf16: weight 2, gradient 2, master weight 4, exp_avg 4, exp_avg_sq 4   -> 16 bytes
         fp32:      weight 4, gradient 4, (no separate master), exp_avg 4, exp_avg_sq 4 -> 16 bytes
+                   (with offload_optimizer the host keeps a separate fp32 master: 4 more bytes)
     stage >= 1 shards master/exp_avg/exp_avg_sq, stage >= 2 the gradients, stage 3 the weights.
     offload_optimizer ('cpu' or 'nvme'): master/exp_avg/exp_avg_sq go to that tier; the gradient partition goes to
         the host in fp32 (4 bytes); the device keeps no gradient between steps.
@@ -120,7 +122,8 @@ def estimate_model_states(
     result = ModelStateBytes()
     # Lab 1.3: bytes of each model state in each tier
     # Weights and gradients take 2 bytes in fp16/bf16 and 4 in fp32. fp16/bf16 runs keep a 4-byte master weight;
-    # fp32 runs keep none. exp_avg and exp_avg_sq take 4 bytes each.
+    # fp32 runs keep none unless the optimizer is offloaded (the host then needs its own fp32 copy).
+    # exp_avg and exp_avg_sq take 4 bytes each.
     # Count P elements for a full copy and shard = ceil(P / N) for a partitioned one, per the stage.
     # Offloaded states go to the "host" tier for 'cpu' and the "nvme" tier for 'nvme'; the offloaded gradient
     # partition is fp32 on the host. Record each with result.add(state, tier, nbytes).

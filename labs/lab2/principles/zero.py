@@ -221,13 +221,18 @@ class ShardedStates:
             self._start_gather(index, async_op=False)
         self._prefetch_after(index)
 
+    def _shard_on_device(self, index: int) -> torch.Tensor:
+        """This rank's weight shard of unit `index`, where a collective can read it (module 3 offloads it)."""
+        return self.param_shards[index]
+
     def _start_gather(self, index: int, *, async_op: bool):
         unit = self.units[index]
+        shard = self._shard_on_device(index)
         # Lab 2.4: bring a stage-3 unit's full weights onto the device
         # The unit's full buffer (self.full_params[index]) was freed after its last use: its shape survives,
         # its memory does not. Allocate the memory again with self.accel.restore_storage(...), then all-gather
-        # every rank's shard (self.param_shards[index]) into it, passing async_op through. Mark the unit
-        # gathered and return the collective's handle. (release() below frees the memory again.)
+        # every rank's `shard` (this rank's weights of the unit, on the device) into it, passing async_op
+        # through. Mark the unit gathered and return the collective's handle. (release() frees it again.)
         raise NotImplementedError("Lab 2.4: bring a stage-3 unit's full weights onto the device")
 
     def _prefetch_after(self, index: int) -> None:
@@ -311,10 +316,13 @@ class ShardedStates:
     def overflow(self) -> bool:
         return self.comm.any(has_overflow(self._grad_shard_flat()))
 
-    def fp32_gradients(self) -> list[torch.Tensor]:
+    def fp32_gradients(self, inv_scale: float) -> list[torch.Tensor]:
+        """This rank's gradient shard in fp32, divided by the loss scale (`inv_scale` = 1 / scale)."""
         flat = self._grad_shard_flat()
         if flat.dtype != torch.float32:
             flat = self.accel.empty(flat.numel(), torch.float32, category="gradients").copy_(flat)
+        if inv_scale != 1.0:
+            flat.mul_(inv_scale)
         return self._split(flat, [u.shard_numel for u in self.units])
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:

@@ -199,12 +199,15 @@ class MixedPrecisionStates:
     def overflow(self) -> bool:
         return has_overflow(self.flat_grad)  # after the all-reduce every rank sees the same gradients
 
-    def fp32_gradients(self) -> list[torch.Tensor]:
-        if self.flat_grad.dtype == torch.float32:
-            return [self.flat_grad]
-        # A transient fp32 gradient, charged to the device while it lives (a GPU holds it too).
-        grad = self.accel.empty(self.numel, torch.float32, category="gradients")
-        return [grad.copy_(self.flat_grad)]
+    def fp32_gradients(self, inv_scale: float) -> list[torch.Tensor]:
+        """The gradients in fp32, divided by the loss scale (`inv_scale` = 1 / scale)."""
+        grad = self.flat_grad
+        if grad.dtype != torch.float32:
+            # A transient fp32 gradient, charged to the device while it lives (a GPU holds it too).
+            grad = self.accel.empty(self.numel, torch.float32, category="gradients").copy_(self.flat_grad)
+        if inv_scale != 1.0:
+            grad.mul_(inv_scale)
+        return [grad]
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
         # Accumulated in fp64: an fp32 sum of millions of squares loses its low bits (measured: 1e-5 relative).

@@ -1,0 +1,267 @@
+"""ZeRO-Offload: the device computes, the host stores, PCIe carries (GPU 算、CPU 存、PCIe 传).
+
+With `"offload_optimizer": {"device": "cpu"}` the fp32 half of the model states leaves the device:
+
+  on the device:  the fp16/bf16 weights forward and backward read (2 bytes a parameter), and gradient buckets
+                  while backward runs (implementation/buckets.py);
+  on the host:    this rank's partition of the fp32 master weights, Adam's m and v, and an fp32 gradient
+                  partition (4 + 4 + 4 + 4 = 16 bytes per parameter of the shard), plus fp16 staging buffers.
+
+One step, followed for one gradient (the Lab 3.x tasks in brackets):
+
+  backward   bucket -> reduce-scatter -> this rank's fp16 shard --D2H, 2 bytes--> host staging
+             -> fp32 gradient partition, divided by the loss scale                               [Lab 3.1]
+  step       overflow on any rank? then skip on every rank                                       [Lab 3.4]
+             clip factor -> Adam on the CPU over the flat fp32 partition                         [Lab 3.2]
+             fp32 master -> fp16 on the host --H2D, 2 bytes--> device shard -> all-gather          [Lab 3.3]
+
+Only fp16 crosses PCIe: 2 bytes per parameter each way, the 4 bytes a parameter of the ZeRO-Offload paper.
+Stage 3 with `offload_param` goes further: the fp16 weight shards live on the host as well and cross PCIe
+each time their layer is gathered (forward and again for backward).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from ..accelerator import Accelerator
+from ..principles.comm import Comm
+from ..principles.zero import ShardedStates, all_gather_unit
+
+
+class Transfers:
+    """Every copy between device and host goes through here, so the bytes on the link are counted.
+
+    The two sides must have the same dtype: casting is done on one side before or after the copy, never by
+    the copy itself, so the count is the traffic the link really carries.
+    """
+
+    def __init__(self, accel: Accelerator):
+        self.accel = accel
+        self.bytes: Counter[str] = Counter()  # "d2h" and "h2d"
+
+    def _check(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> None:
+        if dst.dtype != src.dtype or dst.numel() != src.numel():
+            raise ValueError(
+                f"{direction} copy of {src.numel()} {src.dtype} elements into {dst.numel()} {dst.dtype}: "
+                "sizes and dtypes must match; cast on one side first (only fp16/bf16 should cross the link)"
+            )
+        src_on, dst_on = self.accel.is_on_device(src), self.accel.is_on_device(dst)
+        if (direction == "d2h" and (not src_on or dst_on)) or (direction == "h2d" and (src_on or not dst_on)):
+            where = {True: "device", False: "host"}
+            raise ValueError(
+                f"a {direction} copy goes from {where[src_on]} to {where[dst_on]} memory; "
+                "check which buffer is the source"
+            )
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._check(dst, src, "d2h")
+        # Blocking: the CPU reads `dst` right after (an asynchronous copy is module 5's pipeline).
+        dst.copy_(src)
+        self.bytes["d2h"] += src.numel() * src.element_size()
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._check(dst, src, "h2d")
+        # From pinned memory the copy runs by DMA while the CPU goes on; the device's stream orders it
+        # before any kernel that reads `dst`.
+        dst.copy_(src, non_blocking=src.is_pinned())
+        self.bytes["h2d"] += src.numel() * src.element_size()
+
+    def reset(self) -> None:
+        self.bytes.clear()
+
+
+def host_buffer(accel: Accelerator, numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+    """A zeroed host buffer, page-locked if `pin` (so DMA can read it); pageable, with a warning, if not."""
+    try:
+        return accel.host_empty(numel, dtype, pin=pin).zero_()
+    except RuntimeError as err:  # pinned memory is limited (ulimit -l, containers)
+        warnings.warn(
+            f"could not pin {numel * torch.empty((), dtype=dtype).element_size()} bytes of host memory "
+            f"({err}); using pageable memory, which makes every copy go through a bounce buffer. "
+            'Set "pin_memory": false to silence this, or raise the locked-memory limit.',
+            stacklevel=3,
+        )
+        return torch.zeros(numel, dtype=dtype)
+
+
+def gradients_to_host(
+    transfers: Transfers,
+    device_shard: torch.Tensor,
+    host_staging: torch.Tensor,
+    host_grad: torch.Tensor,
+    inv_scale: float,
+) -> None:
+    """Move a reduced gradient shard to the host and add it, unscaled, into the fp32 gradient partition."""
+    # BEGIN LAB 3.1: copy the gradient partition to the host fp32 buffer (with the loss-scale factor)
+    # `device_shard` is this rank's reduced fp16/bf16 gradient shard of one unit, on the device. Copy it, in its
+    # own precision, into `host_staging` with transfers.to_host(...) (2 bytes a parameter cross the link, and
+    # the copy is counted). Then ADD it into the fp32 `host_grad`, multiplied by `inv_scale` (1 / loss scale):
+    # adding, because with gradient accumulation each micro-batch's shard arrives here in turn.
+    transfers.to_host(host_staging, device_shard)
+    host_grad.add_(host_staging, alpha=inv_scale)
+    # END LAB 3.1
+
+
+def adam_step(
+    optimizer: torch.optim.Optimizer,
+    masters: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    clip_factor: float,
+) -> None:
+    """One Adam step over this rank's flat fp32 partition (given as its per-unit pieces).
+
+    The engine calls this at every stage; with offload the partition, its gradients and the optimizer's
+    moments are host tensors, so this is the step the CPU runs.
+    """
+    # BEGIN LAB 3.2: the offloaded Adam step over the flat partition
+    # `masters` are views of the host's flat fp32 master partition and `grads` the matching views of the fp32
+    # gradient partition (already unscaled by Lab 3.1). Multiply the gradients in place by `clip_factor`
+    # (1.0 when no clipping is needed), hand each one to its master weight as `.grad`, run optimizer.step()
+    # (its moments are already host buffers: see the optimizer's state), then detach the gradients again
+    # (set `.grad` back to None) so that nothing keeps a second reference to the partition.
+    if clip_factor != 1.0:
+        for grad in grads:
+            grad.mul_(clip_factor)
+    for master, grad in zip(masters, grads, strict=True):
+        master.grad = grad
+    optimizer.step()
+    for master in masters:
+        master.grad = None
+    # END LAB 3.2
+
+
+def upload_weights(
+    transfers: Transfers, master: torch.Tensor, host_low: torch.Tensor, device_shard: torch.Tensor
+) -> None:
+    """Round the updated fp32 master shard to fp16/bf16 on the host and copy it to the device shard."""
+    # BEGIN LAB 3.3: cast and upload the updated weights
+    # Write the fp32 `master` into `host_low` (the host's fp16/bf16 staging buffer: copy_ rounds to nearest
+    # even), THEN copy `host_low` to `device_shard` with transfers.to_device(...), so 2 bytes a parameter cross
+    # the link, not 4. In fp32 training `host_low` is `master` itself: skip the cast.
+    if host_low.data_ptr() != master.data_ptr():
+        host_low.copy_(master)
+    transfers.to_device(device_shard, host_low)
+    # END LAB 3.3
+
+
+def overflow_on_any_rank(comm: Comm, host_grad: torch.Tensor) -> bool:
+    """True on every rank if any rank's fp32 gradient partition holds an inf or a nan."""
+    # BEGIN LAB 3.4: overflow across ranks: skip everywhere, lose nothing
+    # Each rank sees only its own partition, but the decision to skip must be the same everywhere: a rank
+    # that stepped while another skipped would hold weights the others never see again. Check `host_grad`
+    # for any non-finite value (inf AND nan), then return comm.any(...) of that local flag.
+    local = not bool(torch.isfinite(host_grad).all())
+    return comm.any(local)
+    # END LAB 3.4
+
+
+class OffloadedStates(ShardedStates):
+    """ZeRO stage 1-3 with the optimizer (and at stage 3 optionally the weights) on the host."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        accel: Accelerator,
+        precision: str,
+        stage: int,
+        comm: Comm,
+        zero,
+        *,
+        loss_scale: Callable[[], float],
+    ):
+        self.transfers = Transfers(accel)
+        self.loss_scale = loss_scale  # read as each shard arrives: gradients reach the host unscaled
+        self.offload_param = zero.offload_param.enabled
+        self.pin_optimizer = zero.offload_optimizer.pin_memory
+        self.pin_param = zero.offload_param.pin_memory
+        self._uploads: dict[int, torch.Tensor] = {}  # stage 3: shards on their way to a gather
+        super().__init__(model, accel, precision, stage, comm, zero)
+
+    def _partitions_gradients(self) -> bool:
+        return True  # gradients leave the device as backward makes them, at every stage
+
+    # -- where each buffer lives -------------------------------------------------------------------------------
+    def _host(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        return host_buffer(self.accel, numel, dtype, pin=pin)
+
+    def _allocate_weights(self, full_numel: int, shard_numel: int) -> None:
+        if not self.offload_param:
+            return super()._allocate_weights(full_numel, shard_numel)
+        self.flat_param = self._host(shard_numel, self.dtype, self.pin_param)
+        self.param_shards = self._split(self.flat_param, [u.shard_numel for u in self.units])
+        self.full_params = []  # gather buffers, made one unit at a time in _initialise
+
+    def _allocate_gradients(self, full_numel: int, shard_numel: int) -> None:
+        sizes = [u.shard_numel for u in self.units]
+        self.flat_grad = self._host(shard_numel, torch.float32, self.pin_optimizer)
+        self.grad_shards = self._split(self.flat_grad, sizes)
+        self.grad_staging = self._split(self._host(shard_numel, self.dtype, self.pin_optimizer), sizes)
+
+    def _allocate_optimizer_states(self, shard_numel: int) -> None:
+        sizes = [u.shard_numel for u in self.units]
+        # Even fp32 training keeps a separate fp32 master on the host: the device's copy is the one forward reads.
+        self.master = self._host(shard_numel, torch.float32, self.pin_optimizer)
+        self.master_params = self._split(self.master, sizes)
+        self.exp_avg = self._host(shard_numel, torch.float32, self.pin_optimizer)
+        self.exp_avg_sq = self._host(shard_numel, torch.float32, self.pin_optimizer)
+        self.exp_avgs = self._split(self.exp_avg, sizes)
+        self.exp_avg_sqs = self._split(self.exp_avg_sq, sizes)
+        if self.offload_param or self.dtype == torch.float32:
+            self.param_staging = self.master_params if not self.offload_param else self.param_shards
+        else:
+            self.param_staging = self._split(self._host(shard_numel, self.dtype, self.pin_optimizer), sizes)
+
+    # -- backward: each reduced shard crosses to the host ------------------------------------------------------
+    def _deliver_gradient(self, index: int, shard: torch.Tensor) -> None:
+        gradients_to_host(
+            self.transfers, shard, self.grad_staging[index], self.grad_shards[index], 1.0 / self.loss_scale()
+        )
+
+    # -- stage 3 with offload_param: a shard crosses PCIe each time its unit is gathered ----------------------
+    def _shard_on_device(self, index: int) -> torch.Tensor:
+        if not self.offload_param:
+            return super()._shard_on_device(index)
+        upload = self.accel.empty(self.units[index].shard_numel, self.dtype, category="buckets")
+        self.transfers.to_device(upload, self.param_shards[index])
+        self._uploads[index] = upload  # alive until the gather that reads it has finished
+        return upload
+
+    def release(self, index: int) -> None:
+        super().release(index)
+        self._uploads.pop(index, None)
+
+    def gather(self, index: int) -> None:
+        super().gather(index)
+        self._uploads.pop(index, None)
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    def overflow(self) -> bool:
+        return overflow_on_any_rank(self.comm, self.flat_grad)
+
+    def fp32_gradients(self, inv_scale: float) -> list[torch.Tensor]:
+        return self.grad_shards  # fp32 already, and unscaled on arrival (Lab 3.1)
+
+    def publish(self) -> None:
+        for index in range(len(self.units)):
+            if self.offload_param:  # the weights stay on the host: round into the host shard, no upload
+                self.param_shards[index].copy_(self.master_params[index])
+                continue
+            upload_weights(
+                self.transfers, self.master_params[index], self.param_staging[index], self.param_shards[index]
+            )
+            if self.stage < 3:
+                all_gather_unit(self.comm, self.full_params[index], self.param_shards[index])
+
+    def host_staging_bytes(self) -> int:
+        """Host memory beyond the model states: the fp16 buffers gradients and weights pass through."""
+        buffers = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.grad_staging}
+        if not self.offload_param and self.dtype != torch.float32:
+            buffers.update(
+                {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.param_staging}
+            )
+        return sum(buffers.values())
