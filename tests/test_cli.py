@@ -60,10 +60,13 @@ def test_grading_an_unknown_lab_fails_cleanly(capsys):
 
 
 def test_demo_runs_end_to_end_and_writes_its_report(tmp_path):
-    report = run_demo(tmp_path, steps=6)
+    report = run_demo(tmp_path, steps=6, offload_steps=2)
     text = report.read_text()
     assert "208.0 GB" in text and "offload_param" in text and "out of memory" in text
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["training"]["memory"]["estimated"] == results["training"]["memory"]["measured"]
+    fits = results["offload_fits"]  # the model stage 0 could not hold trains in the same budget
+    assert fits["memory"]["device_peak"] <= fits["memory"]["budget"] and fits["memory"]["measured"]["host"] > 0
+    assert fits["pcie_bytes_per_step"]["d2h"] == fits["pcie_bytes_per_step"]["h2d"] > 0
     for plot in ("memory_13b.png", "loss.png"):
         assert (tmp_path / plot).stat().st_size > 10_000

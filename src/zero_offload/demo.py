@@ -96,28 +96,24 @@ def out_of_memory(budget: int) -> str:
     raise AssertionError("stage 0 should not fit the budget")
 
 
-def train(out: Path, *, steps: int, budget: int, model_name: str = "tiny", batch: int = 8) -> dict:
-    """Part 4: train the tiny GPT with fp16 on the emulated device; report memory and plot the loss."""
-    cfg = gpt_config(model_name)
-    _section(
-        f"4. Training a {cfg.num_params() / 1e6:.2f}M-parameter GPT on the course text: stage 0, fp16, "
-        f"device budget {format_bytes(budget)}"
-    )
-    torch.manual_seed(0)
-    engine = initialize(
-        TinyGPT(cfg),
-        {
-            "train_batch_size": batch,
-            "fp16": {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 50},
-            "gradient_clipping": 1.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
-        },
-        accelerator=EmulatedAccelerator(budget),
-    )
+def _train_config(batch: int, zero: dict) -> dict:
+    return {
+        "train_batch_size": batch,
+        "fp16": {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 50},
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        "zero_optimization": zero,
+    }
+
+
+OFFLOAD = {"stage": 2, "offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 2_000_000}
+
+
+def _run(engine, cfg, steps: int, batch: int, desc: str) -> tuple[list[float], float]:
     data = ByteBatches(load_corpus(), cfg.seq_len)
     losses = []
     started = time.perf_counter()
-    with tqdm(range(steps), desc="training", unit="step") as bar:
+    with tqdm(range(steps), desc=desc, unit="step") as bar:
         for step in bar:
             x, y = data.global_batch(step, batch)
             loss = lm_loss(engine(x), y)
@@ -125,22 +121,87 @@ def train(out: Path, *, steps: int, budget: int, model_name: str = "tiny", batch
             engine.step()
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.3f}", scale=f"{engine.scaler.scale:g}")
-    seconds = time.perf_counter() - started
+    return losses, (time.perf_counter() - started) / steps
+
+
+def offload_fits(budget: int, *, steps: int, batch: int = 8) -> dict:
+    """Part 4: the model that did not fit at stage 0 trains with ZeRO-2 + CPU offload in the same budget."""
+    cfg = gpt_config("small")
+    _section(
+        f"4. The same {cfg.num_params() / 1e6:.1f}M-parameter GPT with ZeRO-2 + CPU offload, same "
+        f"{format_bytes(budget)} device: the fp32 half of the states moves to the host"
+    )
+    accel = EmulatedAccelerator(budget)
+    engine = initialize(TinyGPT(cfg), _train_config(batch, OFFLOAD), accelerator=accel)
+    losses, seconds = _run(engine, cfg, steps, batch, "offloaded training")
     report = engine.memory_report()
     print(report)
-    scales = [r["loss_scale"] for r in engine.history]
+    moved = engine.states.transfers.bytes
+    per_step = {k: v / steps for k, v in moved.items()}
+    adam_ms = 1000 * sum(r["adam_seconds"] for r in engine.history) / steps
     print(
-        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps ({seconds / steps * 1000:.0f} ms/step); "
-        f"loss scale {scales[0]:g} -> {engine.scaler.scale:g}, {engine.skipped_steps} steps skipped on overflow"
+        f"PCIe per step: {format_bytes(per_step['d2h'])} device->host (fp16 gradients), "
+        f"{format_bytes(per_step['h2d'])} host->device (fp16 weights) = "
+        f"{(per_step['d2h'] + per_step['h2d']) / engine.num_params:.2f} bytes a parameter (the paper: 4)"
     )
-    plot = plot_losses({"stage 0, fp16": losses}, out / "loss.png", title="Tiny GPT on the course text")
+    print(
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps, {seconds * 1000:.0f} ms/step, of which "
+        f"the CPU Adam {adam_ms:.0f} ms; device peak {format_bytes(report.device.peak)} of {format_bytes(budget)}"
+    )
     return {
         "params": engine.num_params,
         "steps": steps,
-        "ms_per_step": seconds / steps * 1000,
+        "ms_per_step": seconds * 1000,
+        "adam_ms_per_step": adam_ms,
         "loss_first": losses[0],
         "loss_last": losses[-1],
-        "skipped_steps": engine.skipped_steps,
+        "pcie_bytes_per_step": per_step,
+        "memory": {
+            "estimated": report.estimated.as_dict(),
+            "measured": report.measured.as_dict(),
+            "device_peak": report.device.peak,
+            "budget": budget,
+        },
+    }
+
+
+def train(out: Path, *, steps: int, budget: int, model_name: str = "tiny", batch: int = 8) -> dict:
+    """Part 5: a longer run, on the device and offloaded, from the same weights: the same loss curve."""
+    cfg = gpt_config(model_name)
+    _section(
+        f"5. Training a {cfg.num_params() / 1e6:.2f}M-parameter GPT on the course text, fp16, "
+        f"{steps} steps: stage 0 on the device, then ZeRO-2 + CPU offload"
+    )
+    runs = {}
+    for label, zero in (("stage 0 (device)", {"stage": 0}), ("stage 2 + CPU offload", OFFLOAD)):
+        torch.manual_seed(0)
+        engine = initialize(TinyGPT(cfg), _train_config(batch, zero), accelerator=EmulatedAccelerator(budget))
+        losses, seconds = _run(engine, cfg, steps, batch, label)
+        runs[label] = {"engine": engine, "losses": losses, "seconds": seconds}
+    device, offloaded = runs.values()
+    report = offloaded["engine"].memory_report()
+    print(report)
+    gap = max(abs(a - b) for a, b in zip(device["losses"], offloaded["losses"], strict=True))
+    for label, run in runs.items():
+        losses = run["losses"]
+        print(
+            f"{label:<24} loss {losses[0]:.3f} -> {losses[-1]:.3f}, {run['seconds'] * 1000:.0f} ms/step, "
+            f"{run['engine'].skipped_steps} steps skipped on fp16 overflow"
+        )
+    print(f"largest loss difference between the two runs: {gap:.2e} (fp16 rounding)")
+    plot = plot_losses(
+        {label: run["losses"] for label, run in runs.items()},
+        out / "loss.png",
+        title="Tiny GPT on the course text: device vs CPU offload",
+    )
+    return {
+        "params": offloaded["engine"].num_params,
+        "steps": steps,
+        "ms_per_step": {label: run["seconds"] * 1000 for label, run in runs.items()},
+        "loss_first": offloaded["losses"][0],
+        "loss_last": offloaded["losses"][-1],
+        "max_loss_gap": gap,
+        "skipped_steps": offloaded["engine"].skipped_steps,
         "memory": {
             "estimated": report.estimated.as_dict(),
             "measured": report.measured.as_dict(),
@@ -152,7 +213,7 @@ def train(out: Path, *, steps: int, budget: int, model_name: str = "tiny", batch
 
 
 def write_report(out: Path, results: dict) -> Path:
-    part1, part4 = results["thirteen_billion"], results["training"]
+    part1, fits, part5 = results["thirteen_billion"], results["offload_fits"], results["training"]
     lines = [
         "# zero-offload demo report",
         "",
@@ -179,20 +240,29 @@ def write_report(out: Path, results: dict) -> Path:
         results["out_of_memory"],
         "```",
         "",
-        "## 4. Training",
+        "## 4. ZeRO-2 + CPU offload in the same budget",
         "",
-        f"{part4['params']:,} parameters, {part4['steps']} steps, {part4['ms_per_step']:.0f} ms/step; "
-        f"loss {part4['loss_first']:.3f} -> {part4['loss_last']:.3f}; "
-        f"{part4['skipped_steps']} steps skipped on fp16 overflow.",
+        f"{fits['params']:,} parameters, {fits['steps']} steps, {fits['ms_per_step']:.0f} ms/step "
+        f"(CPU Adam {fits['adam_ms_per_step']:.0f} ms); loss {fits['loss_first']:.3f} -> {fits['loss_last']:.3f}; "
+        f"device peak {format_bytes(fits['memory']['device_peak'])} of {format_bytes(fits['memory']['budget'])}.",
+        f"PCIe per step: {format_bytes(fits['pcie_bytes_per_step']['d2h'])} down, "
+        f"{format_bytes(fits['pcie_bytes_per_step']['h2d'])} up.",
         "",
         "| tier | estimated | measured |",
         "|---|---|---|",
         *(
-            f"| {t} | {format_bytes(part4['memory']['estimated'][t])} | {format_bytes(part4['memory']['measured'][t])} |"
+            f"| {t} | {format_bytes(fits['memory']['estimated'][t])} | {format_bytes(fits['memory']['measured'][t])} |"
             for t in ("device", "host", "nvme")
         ),
         "",
-        f"![loss]({part4['plot']})",
+        "## 5. Training on the device and offloaded",
+        "",
+        f"{part5['params']:,} parameters, {part5['steps']} steps; "
+        + ", ".join(f"{k}: {v:.0f} ms/step" for k, v in part5["ms_per_step"].items())
+        + f"; loss {part5['loss_first']:.3f} -> {part5['loss_last']:.3f}; largest loss difference between the "
+        f"runs {part5['max_loss_gap']:.1e}; {part5['skipped_steps']} steps skipped on fp16 overflow.",
+        "",
+        f"![loss]({part5['plot']})",
         "",
     ]
     path = out / "report.md"
@@ -201,13 +271,14 @@ def write_report(out: Path, results: dict) -> Path:
     return path
 
 
-def run_demo(out_dir: str | Path = "out/demo", *, steps: int = 300) -> Path:
+def run_demo(out_dir: str | Path = "out/demo", *, steps: int = 300, offload_steps: int = 20) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = {
         "thirteen_billion": thirteen_billion(out),
         "introduction_config": introduction_config(),
         "out_of_memory": out_of_memory(budget=64 * 2**20),
+        "offload_fits": offload_fits(64 * 2**20, steps=offload_steps),
         "training": train(out, steps=steps, budget=64 * 2**20),
     }
     path = write_report(out, results)
