@@ -13,6 +13,13 @@ eps is large (1e-3) so that a gradient of the wrong scale changes Adam's update 
 normalisation, and the clipping threshold lies inside the range of this run's gradient norms (1.8 to 3.1), so
 that some steps are clipped and some are not: with every step clipped, a gradient of the wrong scale would be
 clipped back to the same update. The global gradient norms are compared too, step by step.
+
+To run it, in a separate environment (DeepSpeed is not one of the project's dependencies):
+
+    python3.11 -m venv /tmp/dsvenv
+    /tmp/dsvenv/bin/pip install torch==2.13.0 && /tmp/dsvenv/bin/pip install -e . pytest==9.2.0
+    DS_BUILD_OPS=0 /tmp/dsvenv/bin/pip install deepspeed==0.19.8
+    /tmp/dsvenv/bin/python -m pytest -q tests/test_deepspeed_parity.py
 """
 
 from __future__ import annotations

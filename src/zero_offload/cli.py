@@ -78,6 +78,27 @@ def _train(args) -> int:
     return 0
 
 
+def _checkpoint(args) -> int:
+    from .implementation.checkpoint import CheckpointError, read_meta, to_fp32
+
+    try:
+        meta = read_meta(args.dir)
+        state = to_fp32(args.dir, args.out)
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    tensors = {id(t): t for t in state.values()}.values()  # a tied weight is one tensor, stored once
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    print(
+        f"wrote {args.out}: {len(state)} entries ({len(state) - len(tensors)} tied), "
+        f"{sum(t.numel() for t in tensors):,} elements, {nbytes / 1e6:.1f} MB: the fp32 weights at step "
+        f"{meta['global_steps']} of a {meta['world_size']}-rank, ZeRO stage {meta['stage']}, "
+        f"{meta['precision']} checkpoint"
+    )
+    print(f"load it with: model.load_state_dict(torch.load({args.out!r}, weights_only=True))")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zo", description="zero-offload: the course's engine and tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("path")
     check.add_argument("--world-size", type=int, default=1)
 
+    ckpt = sub.add_parser("checkpoint", help="checkpoint tools: zo checkpoint to-fp32 DIR OUT.pt")
+    ckpt_sub = ckpt.add_subparsers(dest="action", required=True)
+    to_fp32 = ckpt_sub.add_parser(
+        "to-fp32", help="one plain PyTorch state_dict of fp32 weights, for model.load_state_dict"
+    )
+    to_fp32.add_argument("dir", help="the checkpoint directory engine.save_checkpoint wrote")
+    to_fp32.add_argument("out", help="the .pt file to write")
+
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run_demo
@@ -136,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         return grade_main(args.rest)
     if args.command == "check-config":
         return _check_config(args)
+    if args.command == "checkpoint":
+        return _checkpoint(args)
     raise AssertionError(args.command)
 
 
