@@ -66,7 +66,9 @@ def test_demo_runs_end_to_end_and_writes_its_report(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["training"]["memory"]["estimated"] == results["training"]["memory"]["measured"]
     fits = results["offload_fits"]  # the model stage 0 could not hold trains in the same budget
-    assert fits["memory"]["device_peak"] <= fits["memory"]["budget"] and fits["memory"]["measured"]["host"] > 0
+    assert (
+        fits["memory"]["device_peak"] <= fits["memory"]["budget"] and fits["memory"]["measured"]["host"] > 0
+    )
     assert fits["pcie_bytes_per_step"]["d2h"] == fits["pcie_bytes_per_step"]["h2d"] > 0
     for plot in ("memory_13b.png", "loss.png"):
         assert (tmp_path / plot).stat().st_size > 10_000

@@ -1,4 +1,4 @@
-"""The `zo` command: demo, train, estimate, bench, grade, check-config."""
+"""The `zo` command: demo, train, estimate, bench, grade, check-config, checkpoint."""
 
 from __future__ import annotations
 

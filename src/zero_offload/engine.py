@@ -49,7 +49,7 @@ def _check_supported(config: Config) -> None:
         problems.append(
             (
                 "zero_optimization.offload_param",
-                "offloading the fp16 weights while the fp32 master weights and moments (8x their size) stay on "
+                "offloading the fp16 weights while the fp32 master weights and moments (6x their size) stay on "
                 'the device saves the least memory for the most traffic; add "offload_optimizer": {"device": "cpu"}',
             )
         )

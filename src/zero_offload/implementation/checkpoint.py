@@ -1,0 +1,464 @@
+"""Checkpoints that outlive the run that wrote them: any world size or ZeRO stage can load them.
+
+A checkpoint is a directory:
+
+  rank00000-of-00002.pt   one file per rank: its pieces of the fp32 master weights and of Adam's m and v,
+  rank00001-of-00002.pt   each labelled with the parameter's name and where it starts in the flattened
+                          parameter; and what it takes to resume: steps, Adam's step count, loss scale,
+                          lr schedule, RNG states
+  meta.json               a readable summary, written by rank 0 last, once every rank's file is in place
+
+Pieces are stored by parameter name, not by shard, because a shard is an accident of the run: stage 0 keeps
+one flat buffer, stages 1-3 cut each module's buffer into world-size shards with padding. Loading puts the
+pieces back together into whole parameters and cuts them again for the engine that loads. The files hold only
+tensors and plain Python values, so they load with `torch.load(weights_only=True)`: a checkpoint from someone
+else cannot run code.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import math
+import os
+import pickle
+import re
+import warnings
+import zipfile
+from pathlib import Path
+
+import torch
+
+FORMAT = "zero_offload.checkpoint/1"
+META = "meta.json"
+STATES = ("master", "exp_avg", "exp_avg_sq")
+_RANK_FILE = re.compile(r"rank(\d{5})-of-(\d{5})\.pt")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written, read or used here; the message names the file and the fix."""
+
+
+def rank_file(rank: int, world_size: int) -> str:
+    return f"rank{rank:05d}-of-{world_size:05d}.pt"
+
+
+# -- what a rank holds ---------------------------------------------------------------------------------------
+def _param_names(model: torch.nn.Module) -> dict[int, str]:
+    """id(param) -> the name it is saved under; a tied weight keeps the first, as named_parameters() does."""
+    return {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _pieces(engine) -> list[tuple[str, int, int, int, int]]:
+    """(name, start, numel, index, offset): elements [start, start + numel) of flattened parameter `name`
+    are elements [offset, offset + numel) of this rank's master_params[index] and of its m and v."""
+    states, names = engine.states, _param_names(engine.model)
+    if engine.config.zero_optimization.stage == 0:  # one flat buffer over all parameters, in order
+        offsets = [0]
+        for param in states.params:
+            offsets.append(offsets[-1] + param.numel())
+        return [(names[id(p)], 0, p.numel(), 0, offsets[i]) for i, p in enumerate(states.params)]
+    return [
+        (names[id(unit.params[s.param])], s.param_start, s.numel, index, s.shard_start)
+        for index, unit in enumerate(states.units)
+        for s in unit.layout.slices
+    ]
+
+
+def _optimizer_tensors(engine, index: int) -> dict[str, torch.Tensor]:
+    """master_params[index] and its moments, as the optimizer holds them (its own buffers, not copies)."""
+    master = engine.states.master_params[index]
+    state = engine.optimizer.state[master]
+    return {"master": master, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+
+
+def _model_entries(model: torch.nn.Module) -> dict[str, str | torch.Tensor]:
+    """The model's state_dict, in its order: for a trainable parameter, the name it is saved under (a tied
+    weight has an entry per key); for anything else (buffers, frozen parameters), the tensor itself."""
+    names = _param_names(model)
+    return {key: names.get(id(tensor), tensor) for key, tensor in model.state_dict(keep_vars=True).items()}
+
+
+def _rank_state(engine) -> dict:
+    """Everything this rank writes: plain Python values and CPU tensors only."""
+    comm, model, stage = engine.comm, engine.model, engine.config.zero_optimization.stage
+    pieces: dict[str, list[dict]] = {}
+    # Stage 0 ranks hold identical replicas: rank 0's copy is enough.
+    if stage > 0 or comm.rank == 0:
+        for name, start, numel, index, offset in _pieces(engine):
+            tensors = _optimizer_tensors(engine, index)
+            piece = {"start": start}
+            for key in STATES:
+                # A copy of just the piece: saving a view would write its whole storage (the flat buffer).
+                piece[key] = tensors[key][offset : offset + numel].detach().to("cpu", copy=True)
+            pieces.setdefault(name, []).append(piece)
+    entries = _model_entries(model)
+    # Buffers and frozen weights are the same on every rank (data parallelism): rank 0 saves them.
+    others = {k: t for k, t in entries.items() if not isinstance(t, str)} if comm.rank == 0 else {}
+    scheduler = engine.lr_scheduler
+    return {
+        "format": FORMAT,
+        "rank": comm.rank,
+        "world_size": comm.world_size,
+        "stage": stage,
+        "precision": engine.config.precision,
+        "fingerprint": engine.config.fingerprint(),
+        "config": engine.config.to_dict(),
+        "params": {name: list(p.shape) for name, p in model.named_parameters() if p.requires_grad},
+        "state_dict_keys": list(entries),
+        "aliases": {key: name for key, name in entries.items() if isinstance(name, str)},
+        "extras": {key: tensor.detach().to("cpu", copy=True) for key, tensor in others.items()},
+        "pieces": pieces,
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        # Every step updates every master tensor, so they all share one count.
+        "optimizer_step": float(engine.optimizer.state[engine.states.master_params[0]]["step"]),
+        "scaler": {"kind": type(engine.scaler).__name__, "state": engine.scaler.state_dict()},
+        "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
+        "rng": {
+            "cpu": torch.get_rng_state(),
+            # Only if CUDA was used: asking an unused CUDA for its state would create a context for nothing.
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
+        },
+    }
+
+
+def _meta(engine, state: dict) -> dict:
+    return {
+        "format": FORMAT,
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "world_size": state["world_size"],
+        "stage": state["stage"],
+        "precision": state["precision"],
+        "fingerprint": state["fingerprint"],
+        "num_parameters": sum(math.prod(shape) for shape in state["params"].values()),
+        "global_steps": state["global_steps"],
+        "micro_steps": state["micro_steps"],
+        "skipped_steps": state["skipped_steps"],
+        "optimizer_step": state["optimizer_step"],
+        "loss_scale": engine.scaler.scale,
+        "lr": [group["lr"] for group in engine.optimizer.param_groups],
+        "files": [rank_file(r, state["world_size"]) for r in range(state["world_size"])],
+        "config": state["config"],
+    }
+
+
+# -- writing -------------------------------------------------------------------------------------------------
+_FIXES = {
+    errno.ENOSPC: "free some space on that disk or save to another directory",
+    errno.EACCES: "make the directory writable or save to another one",
+    errno.EROFS: "that file system is read-only; save to another directory",
+}
+
+
+def _write_error(target: Path, err: OSError, outcome: str) -> CheckpointError:
+    where = f" ({err.filename})" if err.filename and str(err.filename) != str(target) else ""
+    fix = _FIXES.get(err.errno, "check that the directory can be created and written")
+    return CheckpointError(f"could not write {target}{where}: {err.strerror or err}; {fix}. {outcome}")
+
+
+def _write_temp(final: Path, write) -> Path:
+    """write(file) into a temporary file beside `final`, flushed to disk; the caller renames it into place."""
+    # Beside the target so the rename stays on one file system, where it is atomic. open() applies the user's
+    # umask, as for any file they write (mkstemp would make it private).
+    temp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    try:
+        with open(temp, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    return temp
+
+
+def _fsync_dir(directory: Path) -> None:
+    # The rename itself is durable only once the directory is flushed; not every platform lets us open one.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _agree(comm, error: Exception | None) -> None:
+    """Raise on every rank if any rank failed: a rank raising alone would leave the others waiting for it."""
+    if comm.any(error is not None):
+        if error is not None:
+            raise error
+        raise CheckpointError(
+            "another rank could not write its part of the checkpoint; see that rank's error"
+        )
+
+
+def save_checkpoint(engine, path) -> None:
+    """Every rank writes its file into directory `path`; rank 0 adds meta.json once all are in place.
+
+    Two phases, so that a failure anywhere (a full disk) leaves a previous checkpoint in `path` whole: every
+    rank first writes a temporary file; only when all have succeeded does each rename its file into place.
+    """
+    path, comm = Path(path), engine.comm
+    state = _rank_state(engine)
+    final = path / rank_file(comm.rank, comm.world_size)
+    temp, error = None, None
+    kept = f"Any previous checkpoint in {path} is left as it was."
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        temp = _write_temp(final, lambda file: torch.save(state, file))
+    except Exception as err:  # raised below on every rank, never here alone
+        error = _write_error(final, err, kept) if isinstance(err, OSError) else err
+    try:
+        _agree(comm, error)
+    except Exception:
+        if temp is not None:
+            temp.unlink(missing_ok=True)
+        raise
+    try:
+        os.replace(temp, final)
+        _fsync_dir(path)
+    except OSError as err:
+        temp.unlink(missing_ok=True)
+        error = _write_error(final, err, "The checkpoint in that directory may now mix two saves.")
+    _agree(comm, error)
+    if comm.rank == 0:
+        try:
+            # Rank files that an earlier save by another world size left here belong to no checkpoint now.
+            for old in path.iterdir():
+                match = _RANK_FILE.fullmatch(old.name)
+                if match and int(match.group(2)) != comm.world_size:
+                    old.unlink()
+            meta = json.dumps(_meta(engine, state), indent=2) + "\n"
+            os.replace(_write_temp(path / META, lambda file: file.write(meta.encode())), path / META)
+            _fsync_dir(path)
+        except OSError as err:
+            error = _write_error(
+                path / META, err, f"The rank files are in place but {META} is not: do not use it."
+            )
+    _agree(comm, error)  # also a barrier: no rank returns before meta.json exists
+
+
+# -- reading -------------------------------------------------------------------------------------------------
+def read_meta(path) -> dict:
+    """meta.json of checkpoint directory `path`, with an error that says what is wrong if there is none."""
+    path = Path(path)
+    if not path.is_dir():
+        why = "it is not a directory" if path.exists() else "no such directory"
+        raise CheckpointError(f"no checkpoint at {path}: {why}; pass the directory save_checkpoint wrote")
+    meta_file = path / META
+    if not meta_file.is_file():
+        if any(_RANK_FILE.fullmatch(p.name) for p in path.iterdir()):
+            raise CheckpointError(
+                f"{path} has rank files but no {META}: the save did not finish on every rank (rank 0 writes "
+                f"{META} last); use an earlier checkpoint"
+            )
+        raise CheckpointError(
+            f"{path} is not a checkpoint: it has no {META} and no rank files; write one with "
+            "engine.save_checkpoint(path)"
+        )
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read {meta_file}: {err}") from err
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_file} is not a {FORMAT} checkpoint summary")
+    return meta
+
+
+def _load_file(file: Path) -> dict:
+    if not zipfile.is_zipfile(
+        file
+    ):  # torch.save writes a zip; anything else is never handed to the unpickler
+        raise CheckpointError(
+            f"cannot read {file}: it is not a file torch.save wrote; it is damaged or foreign"
+        )
+    try:
+        # mmap: a rank reads only the pages it needs of the other ranks' files.
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"WeightsUnpickler error: ([^\n]*?)(?:\. |\n|$)", str(err))
+        what = found.group(1) if found else "content the safe loader does not allow"
+        raise CheckpointError(
+            f"refusing to load {file}: it holds objects other than tensors and plain Python values ({what}), "
+            "and unpickling them could run code. zero_offload checkpoints never contain such objects: do not "
+            "use this file unless you know who made it and why"
+        ) from None
+    except (OSError, RuntimeError, ValueError, EOFError) as err:
+        raise CheckpointError(f"cannot read {file}: {err}; the file is damaged or not a checkpoint") from err
+
+
+def _read(path) -> list[dict]:
+    """Every rank file of checkpoint `path`, checked to belong to one and the same save."""
+    path = Path(path)
+    meta = read_meta(path)
+    world = int(meta["world_size"])
+    names = [rank_file(r, world) for r in range(world)]
+    missing = [name for name in names if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{path} was saved by {world} ranks but {len(missing)} rank file(s) are missing: "
+            f"{', '.join(missing)}; copy the whole directory"
+        )
+    files = [_load_file(path / name) for name in names]
+    for rank, (name, saved) in enumerate(zip(names, files, strict=True)):
+        if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+            raise CheckpointError(f"{path / name} is not a {FORMAT} rank file")
+        found = (saved["rank"], saved["world_size"], saved["global_steps"])
+        if found != (rank, world, meta["global_steps"]):
+            raise CheckpointError(
+                f"{path / name} holds rank {found[0]} of {found[1]} at step {found[2]}, but {META} describes "
+                f"rank {rank} of {world} at step {meta['global_steps']}: the directory mixes two saves"
+            )
+    return files
+
+
+def _assemble(path, files: list[dict], keys: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
+    """Whole flattened fp32 tensors per parameter name, put together from every rank's pieces."""
+    shapes = files[0]["params"]
+    full = {name: {k: torch.zeros(math.prod(shape)) for k in keys} for name, shape in shapes.items()}
+    covered = dict.fromkeys(shapes, 0)
+    for saved in files:
+        for name, pieces in saved["pieces"].items():
+            for piece in pieces:
+                start, numel = piece["start"], piece["master"].numel()
+                if name not in full or start + numel > full[name][keys[0]].numel():
+                    raise CheckpointError(
+                        f"{path}: rank {saved['rank']} holds a piece of {name} that does not fit"
+                    )
+                for key in keys:
+                    full[name][key][start : start + numel] = piece[key]
+                covered[name] += numel
+    short = [name for name, shape in shapes.items() if covered[name] != math.prod(shape)]
+    if short:
+        raise CheckpointError(f"{path}: the rank files do not cover all of {', '.join(short)}; it is damaged")
+    return full
+
+
+def _shapes(entries: dict) -> dict[str, list[int]]:
+    return {key: list(value.shape) for key, value in entries.items()}
+
+
+def _check_fits(path, saved: dict, model: torch.nn.Module) -> None:
+    """Name each parameter or buffer that the checkpoint and the model do not both have, in the same shape."""
+    entries = _model_entries(model)
+    ours = {name: list(p.shape) for name, p in model.named_parameters() if p.requires_grad}
+    ours_extras = _shapes({k: t for k, t in entries.items() if not isinstance(t, str)})
+    problems = []
+    for what, theirs, mine in (
+        ("parameter", saved["params"], ours),
+        ("buffer", _shapes(saved["extras"]), ours_extras),
+    ):
+        for name in sorted(theirs.keys() - mine.keys()):
+            problems.append(f"{what} {name} {theirs[name]} is in the checkpoint but not in the model")
+        for name in sorted(mine.keys() - theirs.keys()):
+            problems.append(f"{what} {name} {mine[name]} is in the model but not in the checkpoint")
+        for name in sorted(theirs.keys() & mine.keys()):
+            if theirs[name] != mine[name]:
+                problems.append(
+                    f"{what} {name} has shape {theirs[name]} in the checkpoint, {mine[name]} in the model"
+                )
+    if problems:
+        shown = "\n  ".join(problems[:20]) + (
+            f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        )
+        raise CheckpointError(
+            f"the checkpoint {path} does not fit this model:\n  {shown}\n"
+            "load it into the model it was saved from (the same preset and settings)"
+        )
+
+
+# -- loading -------------------------------------------------------------------------------------------------
+def load_checkpoint(engine, path) -> None:
+    """Resume `engine` from checkpoint `path`, saved at any world size and stage: its pieces are re-cut here.
+
+    Every rank reads every rank file and rebuilds whole fp32 parameters (and m, v) before taking its own
+    shard: host memory for three fp32 copies of the model, but the resharding stays obvious.
+    """
+    files = _read(path)
+    saved = files[0]
+    _check_fits(path, saved, engine.model)
+    full = _assemble(path, files, STATES)
+    states, optimizer, rank = engine.states, engine.optimizer, engine.comm.rank
+    with torch.no_grad():
+        for index, master in enumerate(states.master_params):
+            for tensor in _optimizer_tensors(engine, index).values():
+                tensor.zero_()  # the padding of a shard is zero, as a fresh engine has it
+            optimizer.state[master]["step"].fill_(saved["optimizer_step"])
+        for name, start, numel, index, offset in _pieces(engine):
+            for key, tensor in _optimizer_tensors(engine, index).items():
+                tensor[offset : offset + numel].copy_(full[name][key][start : start + numel])
+        for key, tensor in _model_entries(engine.model).items():
+            if not isinstance(tensor, str):
+                tensor.copy_(saved["extras"][key])
+    engine.zero_grad()  # gradients of an unfinished accumulation belong to the run we leave
+    _load_scaler(engine, saved)
+    _load_scheduler(engine, saved)
+    engine.global_steps = saved["global_steps"]
+    engine.micro_steps = saved["micro_steps"]
+    engine.skipped_steps = saved["skipped_steps"]
+    # Same world size: each rank continues its own random stream. Otherwise ranks beyond the old ones take
+    # rank 0's; the streams then differ from the old run's anyway.
+    rng = files[rank if rank < len(files) else 0]["rng"]
+    torch.set_rng_state(rng["cpu"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    states.publish()  # the weights forward reads, rounded from the loaded masters (stages 1/2: all-gathered)
+
+
+def _load_scaler(engine, saved: dict) -> None:
+    kind = type(engine.scaler).__name__
+    if saved["scaler"]["kind"] == kind:
+        engine.scaler.load_state_dict(saved["scaler"]["state"])
+    else:
+        warnings.warn(
+            f"the checkpoint's loss scaler is a {saved['scaler']['kind']} ({saved['precision']}), this "
+            f"engine's a {kind} ({engine.config.precision}): the loss scale starts afresh",
+            stacklevel=4,
+        )
+
+
+def _load_scheduler(engine, saved: dict) -> None:
+    ours, theirs = engine.lr_scheduler, saved["lr_scheduler"]
+    if ours is not None and theirs is not None:
+        ours.load_state_dict(theirs)
+    elif ours is not None or theirs is not None:
+        if ours is not None:
+            which = "the config has a scheduler, the checkpoint none"
+        else:
+            which = "the checkpoint has one, the config not"
+        warnings.warn(f"lr scheduler: {which}; the learning rate follows the config from here", stacklevel=4)
+
+
+# -- one plain state_dict ------------------------------------------------------------------------------------
+def consolidate(path) -> dict[str, torch.Tensor]:
+    """The fp32 weights of checkpoint `path` as one plain PyTorch state_dict of the unwrapped model.
+
+    A tied weight appears under every key the model's state_dict has for it, as one tensor; buffers and frozen
+    parameters are included as they were saved.
+    """
+    files = _read(path)
+    saved = files[0]
+    full = _assemble(path, files, ("master",))
+    weights = {name: full[name]["master"].view(shape) for name, shape in saved["params"].items()}
+    return {
+        key: weights[saved["aliases"][key]] if key in saved["aliases"] else saved["extras"][key].clone()
+        for key in saved["state_dict_keys"]
+    }
+
+
+def to_fp32(path, out) -> dict[str, torch.Tensor]:
+    """Write consolidate(path) to file `out`, atomically: `model.load_state_dict(torch.load(out, ...))`."""
+    state, out = consolidate(path), Path(out)
+    try:
+        os.replace(_write_temp(out, lambda file: torch.save(state, file)), out)
+    except OSError as err:
+        raise CheckpointError(f"could not write {out}: {err.strerror or err}") from err
+    return state
