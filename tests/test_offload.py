@@ -127,6 +127,7 @@ def test_the_host_holds_what_the_estimate_says_plus_padding_and_staging():
     assert report.measured.host == estimate.host + 16 * states.padding["shard"]
     shard = sum(u.shard_numel for u in states.units)
     assert states.host_staging_bytes() == 2 * shard + 2 * shard  # fp16 gradients in, fp16 weights out
+    assert report.host_staging == states.host_staging_bytes() and "host staging" in str(report)
 
 
 def test_only_fp16_crosses_pcie_two_bytes_a_parameter_each_way():
@@ -245,6 +246,38 @@ def test_pinning_that_fails_falls_back_to_pageable_memory_with_one_warning(monke
         engine = _engine(accel=accel, offload_optimizer={"device": "cpu", "pin_memory": True})
     _one_step(engine)
     assert engine.global_steps == 1
+
+
+def test_a_deepspeed_users_stage2_offload_config_runs_unchanged():
+    config = {  # as DeepSpeed's documentation writes them: float bucket sizes, keys we accept and ignore
+        "train_batch_size": BATCH,
+        "train_micro_batch_size_per_gpu": BATCH // 2,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 100,
+        "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                 "hysteresis": 2, "min_loss_scale": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                   "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-4,
+                                                           "warmup_num_steps": 10, "total_num_steps": 100}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                              "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
+                              "reduce_scatter": True, "reduce_bucket_size": 2e8, "contiguous_gradients": True},
+    }  # fmt: skip
+    with pytest.warns(UserWarning, match="accepts but ignores"):
+        engine = zo.initialize(TinyGPT("nano"), config, accelerator=EmulatedAccelerator())
+    for step in range(2):
+        for micro in range(2):
+            x = torch.randint(
+                0, 256, (BATCH // 2, SEQ), generator=torch.Generator().manual_seed(2 * step + micro)
+            )
+            engine.backward(lm_loss(engine(x), x))
+            engine.step()
+    assert (
+        engine.global_steps == 2
+        and engine.states.transfers.bytes["d2h"] == 2 * engine.states.transfers.bytes["h2d"]
+    )
 
 
 def test_offloading_the_weights_without_the_optimizer_is_refused_with_the_fix():

@@ -288,6 +288,9 @@ class Engine:
             device=self.accelerator.memory_stats(),
             accelerator=self.accelerator.name,
             num_params=self.num_params,
+            host_staging=self.states.host_staging_bytes()
+            if hasattr(self.states, "host_staging_bytes")
+            else 0,
         )
 
 

@@ -66,6 +66,10 @@ def train(
         "losses": losses,
         "skipped_steps": engine.skipped_steps,
         "traffic_elements": dict(engine.comm.elements),
+        # Bytes across PCIe, each way, this rank (offload only): the ZeRO-Offload paper's 2 + 2 per parameter.
+        "pcie_bytes": dict(getattr(engine.states, "transfers", None).bytes)
+        if hasattr(engine.states, "transfers")
+        else {},
     }
     report = engine.memory_report()
     if rank == 0:
