@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from IPython.display import Image, display
 
 import zero_offload as zo
+from zero_offload import plots
 from zero_offload.accelerator import DeviceOutOfMemoryError, EmulatedAccelerator
 from zero_offload.basics import Adam, DynamicLossScaler, MemoryLedger, estimate_model_states
 from zero_offload.basics import adam as adam_module
@@ -58,12 +59,7 @@ OUT.mkdir(parents=True, exist_ok=True)
 
 
 def show(fig, name: str) -> None:
-    """Save a figure under out/lessons/01/ and display the saved file, so notebook and file are the same picture."""
-    path = OUT / name
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    display(Image(filename=str(path)))
+    plots.show(fig, OUT / name)  # saved under out/lessons/01/ and displayed
 
 
 print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, smoke mode: {SMOKE}")

@@ -43,10 +43,10 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-from IPython.display import Image, display
 from matplotlib.patches import Patch
 
 import zero_offload as zo
+from zero_offload import plots
 from zero_offload.accelerator import EmulatedAccelerator
 from zero_offload.basics import estimate_model_states
 from zero_offload.principles.partition import ALIGN, build_units, shard_layout
@@ -60,12 +60,7 @@ OUT.mkdir(parents=True, exist_ok=True)
 
 
 def show(fig, name: str) -> None:
-    """Save a figure under out/lessons/02/ and display the saved file, so notebook and file are the same picture."""
-    path = OUT / name
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    display(Image(filename=str(path)))
+    plots.show(fig, OUT / name)  # saved under out/lessons/02/ and displayed
 
 
 print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, smoke mode: {SMOKE}")

@@ -42,12 +42,13 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
-from IPython.display import Image, display
 
 import zero_offload as zo
+from zero_offload import plots
 from zero_offload.accelerator import DeviceOutOfMemoryError, EmulatedAccelerator
 from zero_offload.basics import estimate_model_states
 from zero_offload.config import ConfigError, load_config
+from zero_offload.demo import INTRODUCTION_CONFIG as INTRO_CONFIG
 from zero_offload.implementation import lr_at
 from zero_offload.implementation.offload import host_buffer
 from zero_offload.units import format_bytes
@@ -64,12 +65,7 @@ CORPUS = load_corpus()
 
 
 def show(fig, name: str) -> None:
-    """Save a figure under out/lessons/03/ and display the saved file, so notebook and file are the same picture."""
-    path = OUT / name
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    display(Image(filename=str(path)))
+    plots.show(fig, OUT / name)  # saved under out/lessons/03/ and displayed
 
 
 def config(zero: dict, *, batch: int = 4, accumulation: int = 1, **extra) -> dict:
@@ -148,17 +144,7 @@ print(f"\nfp32 training, stage 2 + offload_optimizer: device {fp32.device / PSI:
 # 课程导言给出的配置把 `offload_param` 和 stage 2 放在一起。把它原样交给配置加载器：
 
 # %%
-INTRO_CONFIG = {
-    "train_batch_size": 64,
-    "fp16": {"enabled": True},
-    "zero_optimization": {
-        "stage": 2,
-        "offload_optimizer": {"device": "cpu", "pin_memory": True},
-        "offload_param": {"device": "cpu", "pin_memory": True},
-        "overlap_comm": True,
-        "contiguous_gradients": True,
-    },
-}
+# INTRO_CONFIG is the introduction's example as the demo keeps it (zero_offload.demo.INTRODUCTION_CONFIG).
 try:
     load_config(INTRO_CONFIG)
 except ConfigError as err:

@@ -30,6 +30,15 @@ def _save(fig, path: str | Path) -> Path:
     return path
 
 
+def show(fig, path: str | Path) -> Path:
+    """For the notebooks: save `fig` to `path` and display the saved file, so notebook and file are one picture."""
+    from IPython.display import Image, display  # only the notebooks need IPython
+
+    path = _save(fig, path)
+    display(Image(filename=str(path)))
+    return path
+
+
 def plot_model_states(
     estimates: Mapping[str, ModelStateBytes],
     path: str | Path,
