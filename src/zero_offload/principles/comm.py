@@ -24,6 +24,9 @@ class Comm:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
+        # Control messages live where the backend can send them: NCCL only moves CUDA tensors.
+        nccl = self.distributed and dist.get_backend(group) == "nccl"
+        self.control_device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.elements: Counter[str] = Counter()  # collective name -> elements moved (per rank)
 
     def _run(self, name: str, numel: int, op, async_op: bool):
@@ -75,7 +78,7 @@ class Comm:
         """A float summed over ranks (a control message: the squared gradient norm)."""
         if self.world_size == 1:
             return value
-        tensor = torch.tensor([value], dtype=torch.float64)
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.control_device)
         self._run("control", 1, lambda a: dist.all_reduce(tensor, group=self.group, async_op=a), False)
         return float(tensor)
 
@@ -83,7 +86,7 @@ class Comm:
         """True on every rank if `flag` is true on any rank: one rank's overflow skips the step everywhere."""
         if self.world_size == 1:
             return flag
-        tensor = torch.tensor([1.0 if flag else 0.0])
+        tensor = torch.tensor([1.0 if flag else 0.0], device=self.control_device)
         self._run(
             "control",
             1,
