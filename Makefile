@@ -8,7 +8,7 @@ LAB_DIR ?= labs
 # Two workers: the machine the course targets has two cores.
 PYTEST_WORKERS ?= 2
 
-.PHONY: install test demo labs lessons jupyter bench lint gpu-check clean \
+.PHONY: install test demo build labs lessons jupyter bench lint gpu-check clean \
         lab1 lab2 lab3 lab4 lab5
 
 install: $(STAMP)
@@ -24,6 +24,10 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/zo demo
+
+# Compile the C CPU Adam now (it is otherwise compiled on first use, into ~/.cache/zero_offload).
+build: $(STAMP)
+	$(PY) -c "from zero_offload.tuning.build import main; raise SystemExit(main())"
 
 lab1 lab2 lab3 lab4 lab5: $(STAMP)
 	$(VENV)/bin/zo grade $(subst lab,,$@) --lab-dir $(LAB_DIR)

@@ -170,7 +170,6 @@ def test_backward_needs_a_scalar_loss():
             {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
             "module 4",
         ),
-        ({"zero_offload": {"cpu_adam": {"impl": "simd"}}}, "module 4"),
         (
             {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
             "module 5",

@@ -280,6 +280,32 @@ def test_a_deepspeed_users_stage2_offload_config_runs_unchanged():
     )
 
 
+def test_the_c_cpu_adam_trains_like_torchs_fused_adam():
+    pytest.importorskip("cffi")
+    runs = {}
+    for impl in ("torch", "simd"):
+        config = _config(2, offload_optimizer=CPU)
+        config["zero_offload"] = {"cpu_adam": {"impl": impl, "threads": 2}}
+        runs[impl] = train_run(0, 1, config, steps=5)
+    assert max_rel(runs["simd"]["weights"], runs["torch"]["weights"]) < 1e-6
+
+
+def test_without_a_c_compiler_the_simd_adam_falls_back_with_one_warning(monkeypatch):
+    from zero_offload.tuning import build
+
+    def no_compiler(*args, **kwargs):
+        raise build.CompilerNotFound("no C compiler found (test)")
+
+    monkeypatch.setattr(build, "build", no_compiler)
+    monkeypatch.setattr("zero_offload.tuning.cpu_adam.build", no_compiler)
+    config = _config(2, offload_optimizer=CPU)
+    config["zero_offload"] = {"cpu_adam": {"impl": "simd"}}
+    with pytest.warns(UserWarning, match="Falling back to torch.optim"):
+        engine = zo.initialize(TinyGPT("nano"), config, accelerator=EmulatedAccelerator())
+    _one_step(engine)
+    assert isinstance(engine.optimizer, torch.optim.AdamW) and engine.global_steps == 1
+
+
 def test_offloading_the_weights_without_the_optimizer_is_refused_with_the_fix():
     config = _config(3, offload_param=CPU)
     with pytest.raises(NotImplementedError, match='"offload_optimizer": {"device": "cpu"}'):

@@ -14,6 +14,8 @@ from . import initialize
 from .accelerator import EmulatedAccelerator
 from .basics.adam import Adam
 from .plots import plot_bars
+from .tuning.build import CompilerNotFound, build
+from .tuning.cpu_adam import CPUAdam, adam_update
 from .workloads import TinyGPT, gpt_config, lm_loss
 
 
@@ -39,6 +41,8 @@ def adam_implementations(numel: int = 16_700_000, repeats: int = 10, threads: in
         "torch.optim.Adam foreach": lambda p: torch.optim.Adam([p], lr=1e-3, foreach=True),
         "torch.optim.Adam fused": lambda p: torch.optim.Adam([p], lr=1e-3, fused=True),
     }
+    for variant in _c_variants():
+        makers[f"C CPU Adam, {variant}"] = lambda p, v=variant: CPUAdam([p], lr=1e-3, adamw=False, variant=v)
     results = {}
     for name, make in tqdm(makers.items(), desc="Adam implementations", unit="impl"):
         param = torch.zeros(numel, requires_grad=True)
@@ -50,6 +54,43 @@ def adam_implementations(numel: int = 16_700_000, repeats: int = 10, threads: in
     copy_ms = _median_ms(lambda: dst.copy_(src), repeats)  # reads 28 and writes 28 bytes per parameter
     floor_ms = copy_ms / 2
     return {"numel": numel, "threads": torch.get_num_threads(), "median_ms": results, "floor_ms": floor_ms}
+
+
+def _c_variants() -> list[str]:
+    try:
+        supported = build().lib.zo_cpu_variants()
+    except CompilerNotFound:
+        return []
+    return [name for bit, name in ((0, "scalar"), (1, "avx2")) if supported & (1 << bit)]
+
+
+def offload_update(numel: int = 16_700_000, repeats: int = 10) -> dict:
+    """The whole offloaded update: fp16 gradients in, the loss-scale factor applied, Adam, fp16 weights out.
+
+    torch does it in passes (upcast, scale, fused Adam, downcast: about twice the 28 bytes a parameter of
+    one pass); the C kernel reads and writes each element once.
+    """
+    gen = torch.Generator().manual_seed(0)
+    grad16 = torch.randn(numel, generator=gen).half()
+    out16 = torch.empty(numel, dtype=torch.float16)
+    param = torch.zeros(numel, requires_grad=True)
+    fused = torch.optim.Adam([param], lr=1e-3, fused=True)
+
+    def torch_pipeline():
+        param.grad = grad16.float().mul_(1 / 1024)
+        fused.step()
+        out16.copy_(param.detach())
+
+    results = {"torch: upcast, scale, fused Adam, downcast": _median_ms(torch_pipeline, repeats)}
+    if _c_variants():
+        master, m, v = torch.zeros(numel), torch.zeros(numel), torch.zeros(numel)
+        steps = iter(range(1, 10**6))
+
+        def one_pass():
+            adam_update(master, grad16, m, v, step=next(steps), lr=1e-3, grad_scale=1 / 1024, out=out16)
+
+        results["C CPU Adam, one pass"] = _median_ms(one_pass, repeats)
+    return {"numel": numel, "median_ms": results}
 
 
 def offload_overhead(model: str = "10m", batch: int = 8, steps: int = 8) -> dict:
@@ -108,6 +149,11 @@ def run_bench(out_dir: str | Path = "out/bench", *, numel: int = 16_700_000, rep
         title=f"Adam step, {adam['numel'] / 1e6:.1f}M params, {adam['threads']} threads",
         ylabel="ms (median)",
     )
+    update = offload_update(numel, repeats)
+    print(f"\nOffloaded update over {numel:,} parameters (fp16 gradients in, fp16 weights out), median")
+    baseline = update["median_ms"]["torch: upcast, scale, fused Adam, downcast"]
+    for name, ms in update["median_ms"].items():
+        print(f"{name:<44}{ms:>8.1f} ms{baseline / ms:>8.2f}x")
     overhead = offload_overhead()
     print(
         f"\nTraining step, {overhead['params'] / 1e6:.1f}M-parameter GPT, batch {overhead['batch']}, fp32, 1 rank"
@@ -115,7 +161,7 @@ def run_bench(out_dir: str | Path = "out/bench", *, numel: int = 16_700_000, rep
     for name, ms in overhead["median_ms"].items():
         print(f"{name:<40}{ms:>10.0f} ms")
     print(f"{'offload / plain':<40}{overhead['ratio']:>10.3f}x   (target <= 1.10x; DeepSpeed measured 1.20x)")
-    results = {"adam": adam, "offload_overhead": overhead}
+    results = {"adam": adam, "offload_update": update, "offload_overhead": overhead}
     (out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
     print(f"\nresults: {out / 'results.json'}, plot: {out / 'adam_step.png'}")
     return results

@@ -9,6 +9,7 @@ learning-rate schedule) and hands the model states to one object that decides wh
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -32,7 +33,6 @@ from .principles.zero import ShardedStates
 _NOT_YET = {
     "nvme": 'the NVMe tier arrives with module 5 (practice); use "device": "cpu"',
     "ratio": "a partial offload (ratio < 1) arrives with module 4 (tuning); use ratio 1.0",
-    "simd": "the SIMD CPU Adam arrives with module 4 (tuning); use cpu_adam.impl 'torch' or 'naive'",
     "delayed_param_update": "the delayed parameter update arrives with module 5 (practice)",
 }
 
@@ -53,8 +53,6 @@ def _check_supported(config: Config) -> None:
                 'the device saves the least memory for the most traffic; add "offload_optimizer": {"device": "cpu"}',
             )
         )
-    if config.zero_offload.cpu_adam.impl == "simd":
-        problems.append(("zero_offload.cpu_adam.impl", _NOT_YET["simd"]))
     if config.zero_offload.delayed_param_update.enabled:
         problems.append(("zero_offload.delayed_param_update", _NOT_YET["delayed_param_update"]))
     if problems:
@@ -66,7 +64,10 @@ def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: l
     """The Adam that updates the fp32 `params`, with its moments living in the buffers the states allocated."""
     opt, impl = config.optimizer, config.zero_offload.cpu_adam.impl
     kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
-    if impl == "naive":
+    optimizer = _simd_optimizer(config, params, kwargs) if impl == "simd" else None
+    if optimizer is not None:
+        pass  # the C CPU Adam (module 4)
+    elif impl == "naive":
         optimizer = Adam(params, adamw=opt.adamw, **kwargs)
     else:
         if not opt.bias_correction:
@@ -84,6 +85,25 @@ def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: l
             "exp_avg_sq": exp_avg_sq,
         }
     return optimizer
+
+
+def _simd_optimizer(config: Config, params: list, kwargs: dict):
+    """The C CPU Adam (module 4), or None, with one warning, where no C compiler can build it."""
+    from .tuning.build import CompilerNotFound
+    from .tuning.cpu_adam import CPUAdam
+
+    if any(p.device.type != "cpu" for p in params):
+        raise ValueError(
+            'zero_offload.cpu_adam.impl "simd" runs on the host, but the optimizer states are on the device; '
+            'add "offload_optimizer": {"device": "cpu"} to zero_optimization (or use impl "torch")'
+        )
+    cpu_adam = config.zero_offload.cpu_adam
+    try:
+        return CPUAdam(params, adamw=config.optimizer.adamw, bias_correction=config.optimizer.bias_correction,
+                       threads=cpu_adam.threads, **kwargs)  # fmt: skip
+    except CompilerNotFound as err:
+        warnings.warn(f"{err}. Falling back to torch.optim's fused Adam for now.", stacklevel=3)
+        return None
 
 
 class Engine:

@@ -206,6 +206,9 @@ class MemoryReport:
     device: object  # accelerator.MemoryStats
     accelerator: str
     num_params: int
+    host_staging: int = (
+        0  # offload: the fp16 host buffers gradients and weights pass through (not model states)
+    )
 
     def __str__(self) -> str:
         lines = [
@@ -217,6 +220,8 @@ class MemoryReport:
                 f"{tier:<8}{format_bytes(self.estimated.tier(tier)):>14}"
                 f"{format_bytes(self.measured.tier(tier)):>14}"
             )
+        if self.host_staging:
+            lines.append(f"host staging buffers {format_bytes(self.host_staging)} (fp16 copies on their way)")
         budget = "unlimited" if self.device.capacity is None else format_bytes(self.device.capacity)
         lines.append(
             f"device now {format_bytes(self.device.in_use)}, peak {format_bytes(self.device.peak)}, "

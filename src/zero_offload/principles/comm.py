@@ -26,7 +26,9 @@ class Comm:
         self.rank = dist.get_rank(group) if self.distributed else 0
         # Control messages live where the backend can send them: NCCL only moves CUDA tensors.
         nccl = self.distributed and dist.get_backend(group) == "nccl"
-        self.control_device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.control_device = (
+            torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        )
         self.elements: Counter[str] = Counter()  # collective name -> elements moved (per rank)
 
     def _run(self, name: str, numel: int, op, async_op: bool):

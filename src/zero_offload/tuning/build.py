@@ -1,0 +1,118 @@
+"""Compile the C Adam with cffi on first use, into a cache keyed by the source, the header and the flags.
+
+`build()` returns the compiled module (its `lib` holds the C functions, its `ffi` the types). A second call,
+in this process or any later one, loads the cached library instead of compiling again; a changed source or
+flag is a new key, so a stale library is never loaded. Lab 4 compiles the learner's C file the same way.
+`make build` compiles ahead of time. No C compiler is an error that says how to get one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCE = CSRC / "cpu_adam.c"
+HEADER = CSRC / "cpu_adam.h"
+# No -march=native: the vector loop chooses its instructions per function, so one build runs on any CPU.
+# -ffp-contract=off keeps the scalar reference free of fused multiply-adds the compiler might add.
+FLAGS = ("-O3", "-std=c11", "-ffp-contract=off", "-pthread", "-Wall")
+_loaded: dict[str, object] = {}
+
+
+class CompilerNotFound(RuntimeError):
+    """No C compiler on this machine: the message says how to install one."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ZO_CACHE_DIR") or Path.home() / ".cache" / "zero_offload")
+
+
+def _compiler() -> str:
+    candidates = [
+        os.environ.get("CC"),
+        (sysconfig.get_config_var("CC") or "").split(" ")[0],
+        "cc",
+        "gcc",
+        "clang",
+    ]
+    for name in filter(None, candidates):
+        if shutil.which(name):
+            return name
+    raise CompilerNotFound(
+        "no C compiler found for the SIMD CPU Adam (tried $CC, cc, gcc, clang). Install one: "
+        "`apt-get install gcc` (Debian/Ubuntu), `xcode-select --install` (macOS); or keep "
+        '"zero_offload": {"cpu_adam": {"impl": "torch"}}'
+    )
+
+
+def _declarations(header: str) -> str:
+    return "\n".join(line for line in header.splitlines() if not line.lstrip().startswith("#"))
+
+
+def build(source: str | Path = SOURCE, *, flags: tuple[str, ...] = FLAGS, name: str = "zo_cpu_adam"):
+    """The compiled module for `source` (cached); raises CompilerNotFound or the compiler's own error."""
+    import cffi  # only needed when compiling or loading
+
+    source = Path(source).resolve()  # the object file goes under the temporary directory by this path
+    code, header = source.read_bytes(), HEADER.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join(
+            [code, header, " ".join(flags).encode(), sys.version.encode(), platform.machine().encode()]
+        )
+    ).hexdigest()[:16]
+    module_name = f"{name}_{key}"
+    if module_name in _loaded:
+        return _loaded[module_name]
+    directory = cache_dir()
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    library = directory / f"{module_name}{suffix}"
+    if not library.exists():
+        compiler = _compiler()
+        ffi = cffi.FFI()
+        ffi.cdef(_declarations(header.decode()))
+        ffi.set_source(
+            module_name,
+            '#include "cpu_adam.h"',
+            sources=[str(source)],
+            include_dirs=[str(CSRC)],
+            extra_compile_args=list(flags),
+            extra_link_args=["-pthread"],
+        )
+        directory.mkdir(parents=True, exist_ok=True)
+        old_cc = os.environ.get("CC")
+        os.environ["CC"] = compiler
+        try:
+            with tempfile.TemporaryDirectory(dir=directory) as tmp:
+                built = ffi.compile(tmpdir=tmp, verbose=False)
+                os.replace(built, library)  # atomic: a parallel build of the same key lands the same file
+        finally:
+            if old_cc is None:
+                os.environ.pop("CC", None)
+            else:
+                os.environ["CC"] = old_cc
+    spec = importlib.util.spec_from_file_location(module_name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _loaded[module_name] = module
+    return module
+
+
+def main() -> int:
+    """`make build`: compile ahead of time and say where the library is."""
+    module = build()
+    variants = module.lib.zo_cpu_variants()
+    names = [n for bit, n in ((0, "scalar"), (1, "avx2+fma+f16c")) if variants & (1 << bit)]
+    print(f"built {module.__file__}; variants this CPU runs: {', '.join(names)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

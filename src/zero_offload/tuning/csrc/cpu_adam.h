@@ -1,0 +1,29 @@
+/* The interface of cpu_adam.c; cffi reads this file as its declarations (lines starting with # are skipped). */
+#ifndef ZO_CPU_ADAM_H
+#define ZO_CPU_ADAM_H
+#include <stdint.h>
+
+enum { ZO_F32 = 0, ZO_F16 = 1, ZO_BF16 = 2 };                    /* gradient and output dtypes */
+enum { ZO_AUTO = -1, ZO_SCALAR = 0, ZO_AVX2_FMA = 1 };            /* kernel variants */
+enum { ZO_MAX_THREADS = 64 };
+
+typedef struct {
+    float *param;          /* fp32 master weights, updated in place */
+    const void *grad;      /* gradients: fp32, fp16 or bf16 (grad_dtype) */
+    float *exp_avg;        /* Adam's m, fp32, in place */
+    float *exp_avg_sq;     /* Adam's v, fp32, in place */
+    void *out;             /* NULL, or where the rounded weights go (out_dtype) */
+    int64_t n;
+    int grad_dtype, out_dtype, adamw;
+    /* Derived in double precision by the caller: 1 - 0.999 rounded in fp32 arithmetic is off by 1.3e-5. */
+    float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay;
+    float step_size;          /* lr / (1 - beta1^t) */
+    float bias_correction2_sqrt; /* sqrt(1 - beta2^t) */
+    float decay;              /* AdamW: 1 - lr * weight_decay */
+    float grad_scale;         /* 1 / loss scale x clip factor */
+} zo_adam_args;
+
+int zo_cpu_variants(void);                                      /* bit v set: variant v runs here */
+int zo_adam_update(const zo_adam_args *args, int variant, int threads);  /* 0; -1 variant unsupported; -2 lab */
+const char *zo_missing_lab(void);                               /* NULL, or the lab task a stub left out */
+#endif

@@ -1,0 +1,175 @@
+"""The C Adam (zero_offload.tuning): every variant against the scalar loop, the scalar loop against torch.optim.
+
+Skipped as a whole where no C compiler exists; the fallback for that case is tested in test_engine.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from zero_offload.tuning import build as build_module
+
+if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
+    pytest.skip("no C compiler on this machine", allow_module_level=True)
+
+from zero_offload.tuning.cpu_adam import CPUAdam, adam_update  # noqa: E402
+
+VARIANTS = [
+    v for bit, v in ((0, "scalar"), (1, "avx2")) if build_module.build().lib.zo_cpu_variants() & (1 << bit)
+]
+LENGTHS = [0, 1, 7, 8, 9, 15, 16, 17, 2**20 + 3]
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def _tensors(n, seed=0, grad_dtype=torch.float32, offset=0):
+    """param, grad, m, v; with `offset` each is a view that starts `offset` elements into a larger buffer."""
+    gen = torch.Generator().manual_seed(seed)
+    values = [
+        torch.randn(n, generator=gen),
+        torch.randn(n, generator=gen).to(grad_dtype),
+        torch.zeros(n),
+        torch.zeros(n),
+    ]
+    views = []
+    for value in values:
+        buffer = torch.empty(n + offset, dtype=value.dtype)
+        buffer[offset:] = value
+        views.append(buffer[offset:])  # unaligned when offset is odd: the C loop must not assume alignment
+    return views
+
+
+def _run(variant, n, steps=3, threads=1, **kwargs):
+    param, grad, m, v = _tensors(
+        n, grad_dtype=kwargs.pop("grad_dtype", torch.float32), offset=kwargs.pop("offset", 0)
+    )
+    out = kwargs.pop("out_dtype", None)
+    out = torch.empty(n, dtype=out) if out is not None else None
+    for step in range(1, steps + 1):
+        adam_update(
+            param, grad, m, v, step=step, variant=variant, threads=threads, out=out, **HYPER, **kwargs
+        )
+    return param, m, v, out
+
+
+@pytest.mark.parametrize("adamw", [False, True])
+def test_the_scalar_loop_equals_torch_adam_over_100_steps(adamw):
+    gen = torch.Generator().manual_seed(1)
+    ours = torch.randn(4099, generator=gen)
+    theirs = ours.clone().requires_grad_()
+    reference = (torch.optim.AdamW if adamw else torch.optim.Adam)([theirs], **HYPER)
+    m, v = torch.zeros_like(ours), torch.zeros_like(ours)
+    for step in range(1, 101):
+        grad = torch.randn(4099, generator=gen)
+        adam_update(ours, grad, m, v, step=step, adamw=adamw, variant="scalar", **HYPER)
+        theirs.grad = grad.clone()
+        reference.step()
+    # Relative as a norm: torch orders the operations differently (lerp for m), a few ulps apart per step.
+    for got, want in ((ours, theirs.detach()), (m, reference.state[theirs]["exp_avg"]),
+                      (v, reference.state[theirs]["exp_avg_sq"])):  # fmt: skip
+        assert float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)) < 1e-6
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_every_variant_equals_the_scalar_loop_at_every_length(variant, n):
+    for got, want in zip(_run(variant, n, offset=1)[:3], _run("scalar", n)[:3], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+def test_low_precision_gradients_and_outputs_match_torchs_own_casts(variant, low):
+    n = 1037
+    param, m, v, out = _run(variant, n, grad_dtype=low, out_dtype=low)
+    # The reference reads the same low-precision gradient, upcast by torch.
+    p_ref, g_ref, m_ref, v_ref = _tensors(n, grad_dtype=low)
+    for step in range(1, 4):
+        adam_update(p_ref, g_ref.float(), m_ref, v_ref, step=step, variant="scalar", **HYPER)
+    torch.testing.assert_close(param, p_ref, rtol=1e-6, atol=1e-7)
+    assert torch.equal(out, param.to(low)), "the rounded copy must be torch's round-to-nearest-even cast"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fp16_rounding_edges(variant):
+    # Ties, subnormals, the largest fp16 and beyond: written with lr 0, the weights are only rounded.
+    values = torch.tensor(
+        [1 + 2**-11, 1 + 3 * 2**-11, 2**-24, 3 * 2**-25, 65504.0, 65519.0, 65520.0, -0.0, 1e-9]
+    )
+    values = values.repeat(3)  # long enough for the vector loop and its tail
+    grad = torch.zeros_like(values)
+    out = torch.empty_like(values, dtype=torch.float16)
+    adam_update(values.clone(), grad, torch.zeros_like(values), torch.zeros_like(values), step=1, lr=0.0,
+                out=out, variant=variant)  # fmt: skip
+    assert torch.equal(out, values.to(torch.float16))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_threads_give_identical_results(variant):
+    results = [_run(variant, 300_001, threads=t)[0] for t in (1, 2, 3, 4)]
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
+def test_the_gradient_factor_is_the_same_as_scaling_the_gradient_first():
+    param, grad, m, v = _tensors(100)
+    p2, m2, v2 = param.clone(), m.clone(), v.clone()
+    adam_update(param, grad, m, v, step=1, grad_scale=0.125, **HYPER)
+    adam_update(p2, grad * 0.125, m2, v2, step=1, **HYPER)
+    torch.testing.assert_close(param, p2, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t: t.update(param=t["param"].half()), "param has dtype float16"),
+        (lambda t: t.update(grad=t["grad"].double()), "grad has dtype float64"),
+        (lambda t: t.update(exp_avg=torch.zeros(200)[::2]), "exp_avg is not contiguous"),
+        (lambda t: t.update(exp_avg_sq=torch.zeros(99)), "exp_avg_sq has 99 elements"),
+        (lambda t: t.update(out=torch.empty(100, dtype=torch.int32)), "out has dtype int32"),
+    ],
+)
+def test_bad_tensors_are_refused_before_any_memory_is_touched(change, message):
+    param, grad, m, v = _tensors(100)
+    tensors = dict(param=param, grad=grad, exp_avg=m, exp_avg_sq=v)
+    change(tensors)
+    before = {k: t.clone() for k, t in tensors.items()}
+    with pytest.raises(ValueError, match=message):
+        adam_update(step=1, **HYPER, **tensors)
+    assert all(torch.equal(tensors[k], before[k]) for k in before)
+
+
+def test_cpu_adam_trains_like_torch_adamw():
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
+    b.load_state_dict(a.state_dict())
+    ours, theirs = CPUAdam(a.parameters(), **HYPER), torch.optim.AdamW(b.parameters(), **HYPER)
+    for _ in range(20):
+        x = torch.randn(8, 64)
+        for model, optimizer in ((a, ours), (b, theirs)):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_no_compiler_is_an_error_that_says_how_to_get_one(monkeypatch, tmp_path):
+    monkeypatch.setenv("ZO_CACHE_DIR", str(tmp_path))  # nothing cached: it would have to compile
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(build_module.shutil, "which", lambda name: None)
+    monkeypatch.setattr(build_module, "_loaded", {})
+    with pytest.raises(build_module.CompilerNotFound, match="apt-get install gcc"):
+        build_module.build()
+
+
+def test_a_changed_source_is_a_new_cache_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZO_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(build_module, "_loaded", {})
+    source = tmp_path / "cpu_adam.c"
+    source.write_text(build_module.SOURCE.read_text())
+    first = build_module.build(source)
+    source.write_text(build_module.SOURCE.read_text() + "\n/* edited */\n")
+    second = build_module.build(source)
+    assert first.__name__ != second.__name__ and len(list(tmp_path.glob("zo_cpu_adam_*"))) == 2
