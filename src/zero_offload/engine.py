@@ -28,6 +28,7 @@ from .implementation.schedulers import build_scheduler
 from .principles.comm import Comm
 from .principles.recompute import checkpoint_blocks
 from .principles.zero import ShardedStates
+from .tuning.cpu_adam import CPUAdam, one_pass_offload_step
 
 # Pieces of the config that later modules of the course implement; until then a clear error beats a silent no-op.
 _NOT_YET = {
@@ -90,7 +91,6 @@ def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: l
 def _simd_optimizer(config: Config, params: list, kwargs: dict):
     """The C CPU Adam (module 4), or None, with one warning, where no C compiler can build it."""
     from .tuning.build import CompilerNotFound
-    from .tuning.cpu_adam import CPUAdam
 
     if any(p.device.type != "cpu" for p in params):
         raise ValueError(
@@ -153,6 +153,7 @@ class Engine:
             config, self.states.master_params, self.states.exp_avgs, self.states.exp_avg_sqs
         )
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
+        self._one_pass = isinstance(self.states, OffloadedStates) and isinstance(self.optimizer, CPUAdam)
         self.ledger = MemoryLedger(self.accelerator)
         self.states.record(self.ledger)
         self._upcast = self.accelerator.compute_dtype(self.states.dtype) != self.states.dtype
@@ -268,7 +269,10 @@ class Engine:
         if clip > 0 and norm > clip:
             clip_factor = clip / (norm + 1e-6)
         start = time.perf_counter()
-        adam_step(self.optimizer, states.master_params, grads, clip_factor)
+        if self._one_pass:  # module 4: Adam and the fp16 rounding in one pass over the host partition
+            one_pass_offload_step(states, self.optimizer, grads, clip_factor)
+        else:
+            adam_step(self.optimizer, states.master_params, grads, clip_factor)
         record["adam_seconds"] = time.perf_counter() - start
         states.publish()
 

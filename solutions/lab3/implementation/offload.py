@@ -180,6 +180,8 @@ class OffloadedStates(ShardedStates):
         self.pin_optimizer = zero.offload_optimizer.pin_memory
         self.pin_param = zero.offload_param.pin_memory
         self._uploads: dict[int, torch.Tensor] = {}  # stage 3: shards on their way to a gather
+        # Set by module 4's one-pass CPU Adam, which writes the fp16 weights into the staging buffers itself.
+        self.weights_rounded = False
         super().__init__(model, accel, precision, stage, comm, zero)
 
     def _partitions_gradients(self) -> bool:
@@ -247,13 +249,21 @@ class OffloadedStates(ShardedStates):
         return self.grad_shards  # fp32 already, and unscaled on arrival (Lab 3.1)
 
     def publish(self) -> None:
+        rounded, self.weights_rounded = self.weights_rounded, False
         for index in range(len(self.units)):
             if self.offload_param:  # the weights stay on the host: round into the host shard, no upload
-                self.param_shards[index].copy_(self.master_params[index])
+                if not rounded:
+                    self.param_shards[index].copy_(self.master_params[index])
                 continue
-            upload_weights(
-                self.transfers, self.master_params[index], self.param_staging[index], self.param_shards[index]
-            )
+            if rounded:  # the one-pass update already rounded them into the staging buffer: upload only
+                self.transfers.to_device(self.param_shards[index], self.param_staging[index])
+            else:
+                upload_weights(
+                    self.transfers,
+                    self.master_params[index],
+                    self.param_staging[index],
+                    self.param_shards[index],
+                )
             if self.stage < 3:
                 all_gather_unit(self.comm, self.full_params[index], self.param_shards[index])
 

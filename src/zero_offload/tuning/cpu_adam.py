@@ -140,3 +140,21 @@ class CPUAdam(torch.optim.Optimizer):
                     bias_correction=group["bias_correction"], variant=self.variant, threads=self.threads,
                 )  # fmt: skip
         return loss
+
+
+def one_pass_offload_step(states, optimizer: CPUAdam, grads: list[torch.Tensor], clip_factor: float) -> None:
+    """The offloaded step of module 3 in one pass per unit: Adam on the host partition and, in the same pass,
+    the weights written into the staging buffers publish() uploads (no separate cast pass)."""
+    group = optimizer.param_groups[0]
+    for index, (master, grad) in enumerate(zip(states.master_params, grads, strict=True)):
+        staging = states.param_staging[index]
+        state = optimizer.state[master]
+        state["step"] += 1
+        adam_update(
+            master, grad, state["exp_avg"], state["exp_avg_sq"],
+            step=int(state["step"]), lr=group["lr"], betas=group["betas"], eps=group["eps"],
+            weight_decay=group["weight_decay"], adamw=group["adamw"], bias_correction=group["bias_correction"],
+            grad_scale=clip_factor, out=None if staging.data_ptr() == master.data_ptr() else staging,
+            variant=optimizer.variant, threads=optimizer.threads,
+        )  # fmt: skip
+    states.weights_rounded = True
