@@ -28,6 +28,7 @@ from .implementation.schedulers import build_scheduler
 from .principles.comm import Comm
 from .principles.recompute import checkpoint_blocks
 from .principles.zero import ShardedStates
+from .tuning.build import CompilerNotFound
 from .tuning.cpu_adam import CPUAdam, one_pass_offload_step
 
 # Pieces of the config that later modules of the course implement; until then a clear error beats a silent no-op.
@@ -65,12 +66,10 @@ def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: l
     """The Adam that updates the fp32 `params`, with its moments living in the buffers the states allocated."""
     opt, impl = config.optimizer, config.zero_offload.cpu_adam.impl
     kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
-    optimizer = _simd_optimizer(config, params, kwargs) if impl == "simd" else None
-    if optimizer is not None:
-        pass  # the C CPU Adam (module 4)
-    elif impl == "naive":
+    optimizer = _simd_optimizer(config, params, kwargs) if impl == "simd" else None  # module 4's C Adam
+    if optimizer is None and impl == "naive":
         optimizer = Adam(params, adamw=opt.adamw, **kwargs)
-    else:
+    elif optimizer is None:
         if not opt.bias_correction:
             raise ValueError(
                 'optimizer.params.bias_correction=false needs "zero_offload": '
@@ -90,8 +89,6 @@ def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: l
 
 def _simd_optimizer(config: Config, params: list, kwargs: dict):
     """The C CPU Adam (module 4), or None, with one warning, where no C compiler can build it."""
-    from .tuning.build import CompilerNotFound
-
     if any(p.device.type != "cpu" for p in params):
         raise ValueError(
             'zero_offload.cpu_adam.impl "simd" runs on the host, but the optimizer states are on the device; '

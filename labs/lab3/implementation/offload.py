@@ -80,10 +80,10 @@ def host_buffer(accel: Accelerator, numel: int, dtype: torch.dtype, *, pin: bool
     try:
         return accel.host_empty(numel, dtype, pin=pin).zero_()
     except RuntimeError as err:  # pinned memory is limited (ulimit -l, containers)
+        # One text for every buffer, so that the warnings filter shows it once, not once per buffer.
         warnings.warn(
-            f"could not pin {numel * torch.empty((), dtype=dtype).element_size()} bytes of host memory "
-            f"({err}); using pageable memory, which makes every copy go through a bounce buffer. "
-            'Set "pin_memory": false to silence this, or raise the locked-memory limit.',
+            f"could not pin host memory ({err}); using pageable memory, which makes every copy go through a "
+            'bounce buffer. Set "pin_memory": false to silence this, or raise the locked-memory limit.',
             stacklevel=3,
         )
         return torch.zeros(numel, dtype=dtype)

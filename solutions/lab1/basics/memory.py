@@ -221,9 +221,8 @@ class MemoryReport:
     device: object  # accelerator.MemoryStats
     accelerator: str
     num_params: int
-    host_staging: int = (
-        0  # offload: the fp16 host buffers gradients and weights pass through (not model states)
-    )
+    # Offload: the fp16 host buffers gradients and weights pass through (not model states).
+    host_staging: int = 0
 
     def __str__(self) -> str:
         lines = [

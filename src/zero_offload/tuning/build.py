@@ -24,7 +24,7 @@ HEADER = CSRC / "cpu_adam.h"
 # No -march=native: the vector loop chooses its instructions per function, so one build runs on any CPU.
 # -ffp-contract=off keeps the scalar reference free of fused multiply-adds the compiler might add.
 FLAGS = ("-O3", "-std=c11", "-ffp-contract=off", "-pthread", "-Wall")
-_loaded: dict[str, object] = {}
+_loaded: dict[object, object] = {}  # content key, and (path, flags, name, file stamps), -> module
 
 
 class CompilerNotFound(RuntimeError):
@@ -62,6 +62,10 @@ def build(source: str | Path = SOURCE, *, flags: tuple[str, ...] = FLAGS, name: 
     import cffi  # only needed when compiling or loading
 
     source = Path(source).resolve()  # the object file goes under the temporary directory by this path
+    # Every Adam update asks for the module: while neither file has changed, skip reading and hashing them.
+    stamp = (source, flags, name, *((f.stat().st_mtime_ns, f.stat().st_size) for f in (source, HEADER)))
+    if stamp in _loaded:
+        return _loaded[stamp]
     code, header = source.read_bytes(), HEADER.read_bytes()
     key = hashlib.sha256(
         b"\0".join(
@@ -70,6 +74,7 @@ def build(source: str | Path = SOURCE, *, flags: tuple[str, ...] = FLAGS, name: 
     ).hexdigest()[:16]
     module_name = f"{name}_{key}"
     if module_name in _loaded:
+        _loaded[stamp] = _loaded[module_name]
         return _loaded[module_name]
     directory = cache_dir()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
@@ -101,7 +106,7 @@ def build(source: str | Path = SOURCE, *, flags: tuple[str, ...] = FLAGS, name: 
     spec = importlib.util.spec_from_file_location(module_name, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    _loaded[module_name] = module
+    _loaded[module_name] = _loaded[stamp] = module
     return module
 
 
