@@ -57,15 +57,21 @@ def _declarations(header: str) -> str:
     return "\n".join(line for line in header.splitlines() if not line.lstrip().startswith("#"))
 
 
+def _file_stamp(path) -> tuple[int, int]:
+    status = os.stat(path)
+    return status.st_mtime_ns, status.st_size
+
+
 def build(source: str | Path = SOURCE, *, flags: tuple[str, ...] = FLAGS, name: str = "zo_cpu_adam"):
     """The compiled module for `source` (cached); raises CompilerNotFound or the compiler's own error."""
     import cffi  # only needed when compiling or loading
 
-    source = Path(source).resolve()  # the object file goes under the temporary directory by this path
-    # Every Adam update asks for the module: while neither file has changed, skip reading and hashing them.
-    stamp = (source, flags, name, *((f.stat().st_mtime_ns, f.stat().st_size) for f in (source, HEADER)))
+    # Every Adam update asks for the module: while neither file has changed, skip reading and hashing them
+    # (two stat calls; resolving the path as well would cost more than a small update).
+    stamp = (str(source), flags, name, _file_stamp(source), _file_stamp(HEADER))
     if stamp in _loaded:
         return _loaded[stamp]
+    source = Path(source).resolve()  # the object file goes under the temporary directory by this path
     code, header = source.read_bytes(), HEADER.read_bytes()
     key = hashlib.sha256(
         b"\0".join(
