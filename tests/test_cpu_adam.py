@@ -5,7 +5,10 @@ Skipped as a whole where no C compiler exists; the fallback for that case is tes
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,10 +18,12 @@ from zero_offload.tuning import build as build_module
 if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
     pytest.skip("no C compiler on this machine", allow_module_level=True)
 
-from zero_offload.tuning.cpu_adam import CPUAdam, adam_update  # noqa: E402
+from zero_offload.tuning.cpu_adam import CPUAdam, adam_update, memory_floor  # noqa: E402
 
 VARIANTS = [
-    v for bit, v in ((0, "scalar"), (1, "avx2")) if build_module.build().lib.zo_cpu_variants() & (1 << bit)
+    v
+    for bit, v in ((0, "scalar"), (1, "avx2"), (2, "avx512"))
+    if build_module.build().lib.zo_cpu_variants() & (1 << bit)
 ]
 LENGTHS = [0, 1, 7, 8, 9, 15, 16, 17, 2**20 + 3]
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -104,6 +109,50 @@ def test_fp16_rounding_edges(variant):
     adam_update(values.clone(), grad, torch.zeros_like(values), torch.zeros_like(values), step=1, lr=0.0,
                 out=out, variant=variant)  # fmt: skip
     assert torch.equal(out, values.to(torch.float16))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_bf16_rounding_edges(variant):
+    # Ties to even both ways, the carry into the exponent, the largest finite bf16 and past it, inf, nan.
+    tie_down, tie_up = 1 + 2**-8, 1 + 3 * 2**-8
+    values = torch.tensor(
+        [tie_down, tie_up, 2 - 2**-9, 3.3895314e38, 3.4e38, float("inf"), -float("inf"), float("nan"), -0.0]
+    ).repeat(3)
+    out = torch.empty_like(values, dtype=torch.bfloat16)
+    adam_update(values.clone(), torch.zeros_like(values), torch.zeros_like(values), torch.zeros_like(values),
+                step=1, lr=0.0, out=out, variant=variant)  # fmt: skip
+    want = values.to(torch.bfloat16)
+    assert torch.equal(out.isnan(), want.isnan())
+    assert torch.equal(out[~want.isnan()], want[~want.isnan()])
+
+
+def test_the_memory_floor_touches_every_element_and_refuses_other_layouts():
+    n = 1000
+    param, grad, m, v = _tensors(n)
+    grad16, out = grad.half(), torch.zeros(n, dtype=torch.float16)
+    memory_floor(param, grad16, m, v, out=out, threads=2)
+    assert torch.equal(out, grad16), "the 16-bit floor copies the gradient bits to the output, all of them"
+    with pytest.raises(ValueError, match="16-bit gradients with a 16-bit output"):
+        memory_floor(param, grad, m, v, out=out)
+    with pytest.raises(ValueError, match="grad has 999 elements"):
+        memory_floor(param, grad[:999], m, v)
+
+
+def test_the_kernel_passes_its_tests_under_address_and_undefined_behaviour_sanitizers(tmp_path):
+    """The same tests, with the kernel built with -fsanitize=address,undefined (see build.SANITIZE_FLAGS)."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    libasan = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout
+    if not os.path.isabs(libasan.strip()):
+        pytest.skip("this compiler has no AddressSanitizer runtime (libasan)")
+    env = dict(os.environ, LD_PRELOAD=libasan.strip(), ASAN_OPTIONS="detect_leaks=0",
+               ZO_CPU_ADAM_SANITIZE="1", ZO_CACHE_DIR=str(tmp_path))  # fmt: skip
+    tests = "not sanitizers and not compiler and not changed_source"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", __file__, "-k", tests],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and "error" not in run.stderr.lower(), run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -24,6 +24,14 @@ HEADER = CSRC / "cpu_adam.h"
 # No -march=native: the vector loop chooses its instructions per function, so one build runs on any CPU.
 # -ffp-contract=off keeps the scalar reference free of fused multiply-adds the compiler might add.
 FLAGS = ("-O3", "-std=c11", "-ffp-contract=off", "-pthread", "-Wall")
+# ZO_CPU_ADAM_SANITIZE=1 adds AddressSanitizer and UBSan: an out-of-bounds access or undefined behaviour in the
+# kernel stops the process with a report. Python must load libasan first:
+#   LD_PRELOAD=$(cc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 ZO_CPU_ADAM_SANITIZE=1 python ...
+SANITIZE_FLAGS = (
+    "-fsanitize=address,undefined",
+    "-fno-sanitize-recover=undefined",
+    "-fno-omit-frame-pointer",
+)
 _loaded: dict[object, object] = {}  # content key, and (path, flags, name, file stamps), -> module
 
 
@@ -66,6 +74,9 @@ def build(source: str | Path = SOURCE, *, flags: tuple[str, ...] = FLAGS, name: 
     """The compiled module for `source` (cached); raises CompilerNotFound or the compiler's own error."""
     import cffi  # only needed when compiling or loading
 
+    if os.environ.get("ZO_CPU_ADAM_SANITIZE") == "1":
+        flags = (*flags, *SANITIZE_FLAGS)
+
     # Every Adam update asks for the module: while neither file has changed, skip reading and hashing them
     # (two stat calls; resolving the path as well would cost more than a small update).
     stamp = (str(source), flags, name, _file_stamp(source), _file_stamp(HEADER))
@@ -95,7 +106,7 @@ def build(source: str | Path = SOURCE, *, flags: tuple[str, ...] = FLAGS, name: 
             sources=[str(source)],
             include_dirs=[str(CSRC)],
             extra_compile_args=list(flags),
-            extra_link_args=["-pthread"],
+            extra_link_args=["-pthread", *(flag for flag in flags if flag.startswith("-fsanitize"))],
         )
         directory.mkdir(parents=True, exist_ok=True)
         old_cc = os.environ.get("CC")
@@ -120,7 +131,7 @@ def main() -> int:
     """`make build`: compile ahead of time and say where the library is."""
     module = build()
     variants = module.lib.zo_cpu_variants()
-    names = [n for bit, n in ((0, "scalar"), (1, "avx2+fma+f16c")) if variants & (1 << bit)]
+    names = [n for bit, n in ((0, "scalar"), (1, "avx2+fma+f16c"), (2, "avx512f")) if variants & (1 << bit)]
     print(f"built {module.__file__}; variants this CPU runs: {', '.join(names)}")
     return 0
 

@@ -20,7 +20,13 @@ import torch
 from .build import build
 
 GRAD_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-VARIANTS = {"auto": -1, "scalar": 0, "avx2": 1}
+VARIANTS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
+
+
+def supported_variants() -> list[str]:
+    """The kernel variants this CPU can run ("scalar" always; "avx2", "avx512" on x86-64 CPUs that have them)."""
+    mask = build().lib.zo_cpu_variants()
+    return [name for name, bit in VARIANTS.items() if bit >= 0 and mask & (1 << bit)]
 
 
 def default_threads() -> int:
@@ -61,13 +67,7 @@ def adam_update(
     threads: int | None = None,
 ) -> None:
     """One Adam step (the `step`-th, counting from 1) over flat CPU tensors, in one pass; see the module doc."""
-    n = param.numel() if isinstance(param, torch.Tensor) else -1
-    _check("param", param, n, (torch.float32,))
-    _check("grad", grad, n, tuple(GRAD_DTYPES))
-    _check("exp_avg", exp_avg, n, (torch.float32,))
-    _check("exp_avg_sq", exp_avg_sq, n, (torch.float32,))
-    if out is not None:
-        _check("out", out, n, tuple(GRAD_DTYPES))
+    _check_all(param, grad, exp_avg, exp_avg_sq, out)
     if step < 1:
         raise ValueError(f"step counts from 1 (the first update), got {step}")
     if variant not in VARIANTS:
@@ -75,15 +75,7 @@ def adam_update(
     module = build()
     ffi, lib = module.ffi, module.lib
     beta1, beta2 = betas
-    args = ffi.new("zo_adam_args *")
-    args.param = ffi.cast("float *", param.data_ptr())
-    args.grad = ffi.cast("void *", grad.data_ptr())
-    args.exp_avg = ffi.cast("float *", exp_avg.data_ptr())
-    args.exp_avg_sq = ffi.cast("float *", exp_avg_sq.data_ptr())
-    args.out = ffi.NULL if out is None else ffi.cast("void *", out.data_ptr())
-    args.n = n
-    args.grad_dtype = GRAD_DTYPES[grad.dtype]
-    args.out_dtype = 0 if out is None else GRAD_DTYPES[out.dtype]
+    args = _tensor_args(ffi, param, grad, exp_avg, exp_avg_sq, out)
     args.adamw = int(adamw)
     # Everything derived from the hyperparameters is computed here in double precision, then rounded once.
     args.beta1, args.one_minus_beta1, args.beta2, args.one_minus_beta2 = beta1, 1 - beta1, beta2, 1 - beta2
@@ -96,6 +88,43 @@ def adam_update(
         raise NotImplementedError(ffi.string(lib.zo_missing_lab()).decode())
     if status != 0:
         raise ValueError(f"this CPU cannot run the {variant!r} variant; use 'auto' or 'scalar'")
+
+
+def memory_floor(param, grad, exp_avg, exp_avg_sq, *, out=None, threads: int | None = None) -> None:
+    """Move the bytes of one Adam pass with no arithmetic, as a yardstick for timing an update: fp32 gradients
+    and no output (28 bytes a parameter), or 16-bit gradients and a 16-bit output (the one-pass offload update,
+    also 28). The tensors are scratch: their values are overwritten with meaningless ones."""
+    _check_all(param, grad, exp_avg, exp_avg_sq, out)
+    if (grad.dtype == torch.float32) != (out is None) or (out is not None and out.dtype == torch.float32):
+        raise ValueError("the floor is defined for fp32 gradients without an output, or 16-bit gradients with "
+                         "a 16-bit output")  # fmt: skip
+    module = build()
+    module.lib.zo_memory_floor(_tensor_args(module.ffi, param, grad, exp_avg, exp_avg_sq, out),
+                               threads or default_threads())  # fmt: skip
+
+
+def _check_all(param, grad, exp_avg, exp_avg_sq, out) -> None:
+    n = param.numel() if isinstance(param, torch.Tensor) else -1
+    _check("param", param, n, (torch.float32,))
+    _check("grad", grad, n, tuple(GRAD_DTYPES))
+    _check("exp_avg", exp_avg, n, (torch.float32,))
+    _check("exp_avg_sq", exp_avg_sq, n, (torch.float32,))
+    if out is not None:
+        _check("out", out, n, tuple(GRAD_DTYPES))
+
+
+def _tensor_args(ffi, param, grad, exp_avg, exp_avg_sq, out):
+    """A zo_adam_args with the pointers, length and dtypes filled in (the hyperparameters left at zero)."""
+    args = ffi.new("zo_adam_args *")
+    args.param = ffi.cast("float *", param.data_ptr())
+    args.grad = ffi.cast("void *", grad.data_ptr())
+    args.exp_avg = ffi.cast("float *", exp_avg.data_ptr())
+    args.exp_avg_sq = ffi.cast("float *", exp_avg_sq.data_ptr())
+    args.out = ffi.NULL if out is None else ffi.cast("void *", out.data_ptr())
+    args.n = param.numel()
+    args.grad_dtype = GRAD_DTYPES[grad.dtype]
+    args.out_dtype = 0 if out is None else GRAD_DTYPES[out.dtype]
+    return args
 
 
 class CPUAdam(torch.optim.Optimizer):

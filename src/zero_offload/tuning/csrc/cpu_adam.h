@@ -4,7 +4,7 @@
 #include <stdint.h>
 
 enum { ZO_F32 = 0, ZO_F16 = 1, ZO_BF16 = 2 };                    /* gradient and output dtypes */
-enum { ZO_AUTO = -1, ZO_SCALAR = 0, ZO_AVX2_FMA = 1 };            /* kernel variants */
+enum { ZO_AUTO = -1, ZO_SCALAR = 0, ZO_AVX2_FMA = 1, ZO_AVX512F = 2 }; /* kernel variants */
 enum { ZO_MAX_THREADS = 64 };
 
 typedef struct {
@@ -26,4 +26,5 @@ typedef struct {
 int zo_cpu_variants(void);                                      /* bit v set: variant v runs here */
 int zo_adam_update(const zo_adam_args *args, int variant, int threads);  /* 0; -1 variant unsupported; -2 lab */
 const char *zo_missing_lab(void);                               /* NULL, or the lab task a stub left out */
+int zo_memory_floor(const zo_adam_args *args, int threads);      /* 0; -1 unsupported dtypes (see .c) */
 #endif
