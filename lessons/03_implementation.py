@@ -77,6 +77,8 @@ def config(zero: dict, *, batch: int = 4, accumulation: int = 1, **extra) -> dic
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         "zero_optimization": zero,
+        # 本课看的是模块 3 的 Python 流水线（Lab 3.2 的 adam_step）；不写这一行，卸载时默认用模块 4 的 C 版 Adam。
+        "zero_offload": {"cpu_adam": {"impl": "torch"}},
         **extra,
     }
 

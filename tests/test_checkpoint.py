@@ -101,6 +101,7 @@ CASES = {
     "stage2-bf16": _config(2, "bf16"),
     "stage2-offload-fp16-warmup": _config(2, "fp16", scheduler=True, offload_optimizer=CPU),
     "stage3-offload-all-fp16": _config(3, "fp16", offload_optimizer=CPU, offload_param=CPU),
+    "stage2-partial-offload-fp16": _config(2, "fp16", offload_optimizer={**CPU, "ratio": 0.5}),
 }
 
 

@@ -303,7 +303,7 @@ BAD = [
         with_(BASE, "zero_offload.cpu_adam.impl", "avx512"),
         1,
         "zero_offload.cpu_adam.impl",
-        "torch, naive, simd",
+        "simd, torch, naive",
     ),
     (
         "threads-zero",
@@ -461,7 +461,7 @@ def test_defaults():
     assert cfg.scheduler.type is None and dict(cfg.scheduler.params) == {}
     assert cfg.zero_optimization == ZeroConfig()
     assert not cfg.activation_checkpointing.enabled
-    assert cfg.zero_offload.device_memory is None and cfg.zero_offload.cpu_adam.impl == "torch"
+    assert cfg.zero_offload.device_memory is None and cfg.zero_offload.cpu_adam.impl == "simd"
     assert cfg.zero_offload.seed == 1234 and cfg.zero_offload.delayed_param_update.start_step == 10
     assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print == 10
 
@@ -561,7 +561,7 @@ def test_fingerprint_equal_for_equal_configs_and_different_otherwise():
         ("zero_optimization.stage", 1),
         ("scheduler.params.total_num_steps", 1001),
         ("zero_offload.seed", 1),
-        ("zero_offload.cpu_adam.impl", "simd"),
+        ("zero_offload.cpu_adam.impl", "torch"),
         ("gradient_clipping", 0.5),
     ]
     prints = {a.fingerprint()}

@@ -167,10 +167,6 @@ def test_backward_needs_a_scalar_loss():
     "extra, module",
     [
         (
-            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
-            "module 4",
-        ),
-        (
             {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
             "module 5",
         ),

@@ -12,7 +12,7 @@ Our own settings live under one top-level key, so a DeepSpeed config stays a Dee
 
     "zero_offload": {
         "device_memory": "512MiB",          # budget of the emulated device (int bytes or a size string)
-        "cpu_adam": {"impl": "simd", "threads": 2},             # "torch" | "naive" | "simd"
+        "cpu_adam": {"impl": "simd", "threads": 2},  # the host's Adam: "simd" (default) | "torch" | "naive"
         "delayed_param_update": {"enabled": true, "start_step": 10},
         "seed": 1234
     }
@@ -145,7 +145,9 @@ class ActivationCheckpointingConfig:
 
 @dataclass(frozen=True)
 class CpuAdamConfig:
-    impl: str = "torch"  # "torch" | "naive" | "simd"
+    # The Adam of an offloaded optimizer: the C kernel ("simd"), torch's fused Adam, or module 1's naive one.
+    # Optimizer states on the device are always updated by torch's fused Adam (or the naive one, if chosen).
+    impl: str = "simd"  # "simd" | "torch" | "naive"
     threads: int | None = None  # None: let the implementation choose
 
 
@@ -626,7 +628,7 @@ def _extension(s: _Section) -> ExtensionConfig:
         device_memory=device_memory,
         seed=s.get("seed", int, 1234, **_NON_NEGATIVE),
         cpu_adam=CpuAdamConfig(
-            impl=adam.choice("impl", ("torch", "naive", "simd"), "torch"),
+            impl=adam.choice("impl", ("simd", "torch", "naive"), "simd"),
             threads=adam.get("threads", int, None, optional=True, **_AT_LEAST_1),
         ),
         delayed_param_update=DelayedParamUpdateConfig(

@@ -188,7 +188,9 @@ def train(out: Path, *, steps: int, budget: int, model_name: str = "tiny", batch
             f"{label:<24} loss {losses[0]:.3f} -> {losses[-1]:.3f}, {run['seconds'] * 1000:.0f} ms/step, "
             f"{run['engine'].skipped_steps} steps skipped on fp16 overflow"
         )
-    print(f"largest loss difference between the two runs: {gap:.2e} (anything above 0 is fp16 rounding)")
+    print(
+        f"largest loss difference between the two runs: {gap:.2e} (rounding only: fp16, and the C Adam's fused multiply-adds)"
+    )
     plot = plot_losses(
         {label: run["losses"] for label, run in runs.items()},
         out / "loss.png",

@@ -30,11 +30,11 @@ from .principles.recompute import checkpoint_blocks
 from .principles.zero import ShardedStates
 from .tuning.build import CompilerNotFound
 from .tuning.cpu_adam import CPUAdam, one_pass_offload_step
+from .tuning.partial import SplitOptimizer, estimate_partial_offload
 
 # Pieces of the config that later modules of the course implement; until then a clear error beats a silent no-op.
 _NOT_YET = {
     "nvme": 'the NVMe tier arrives with module 5 (practice); use "device": "cpu"',
-    "ratio": "a partial offload (ratio < 1) arrives with module 4 (tuning); use ratio 1.0",
     "delayed_param_update": "the delayed parameter update arrives with module 5 (practice)",
 }
 
@@ -45,8 +45,14 @@ def _check_supported(config: Config) -> None:
     for name in ("offload_optimizer", "offload_param"):
         if getattr(zero, name).device == "nvme":
             problems.append((f"zero_optimization.{name}.device", _NOT_YET["nvme"]))
-    if zero.offload_optimizer.ratio != 1.0:
-        problems.append(("zero_optimization.offload_optimizer.ratio", _NOT_YET["ratio"]))
+    if zero.offload_optimizer.ratio < 1.0 and zero.offload_param.enabled:
+        problems.append(
+            (
+                "zero_optimization.offload_optimizer.ratio",
+                "a partial offload updates some weights on the device, so they must live there; with "
+                'offload_param keep ratio 1.0, or set "offload_param": {"device": "none"}',
+            )
+        )
     if zero.offload_param.enabled and not zero.offload_optimizer.enabled:
         problems.append(
             (
@@ -62,9 +68,11 @@ def _check_supported(config: Config) -> None:
         raise NotImplementedError(f"this version of zero_offload cannot run this config yet:\n{lines}")
 
 
-def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: list):
-    """The Adam that updates the fp32 `params`, with its moments living in the buffers the states allocated."""
-    opt, impl = config.optimizer, config.zero_offload.cpu_adam.impl
+def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: list, impl: str | None = None):
+    """The Adam that updates the fp32 `params`, with its moments living in the buffers the states allocated.
+
+    `impl` defaults to the config's zero_offload.cpu_adam.impl ("simd", "torch" or "naive")."""
+    opt, impl = config.optimizer, impl or config.zero_offload.cpu_adam.impl
     kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
     optimizer = _simd_optimizer(config, params, kwargs) if impl == "simd" else None  # module 4's C Adam
     if optimizer is None and impl == "naive":
@@ -89,11 +97,6 @@ def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: l
 
 def _simd_optimizer(config: Config, params: list, kwargs: dict):
     """The C CPU Adam (module 4), or None, with one warning, where no C compiler can build it."""
-    if any(p.device.type != "cpu" for p in params):
-        raise ValueError(
-            'zero_offload.cpu_adam.impl "simd" runs on the host, but the optimizer states are on the device; '
-            'add "offload_optimizer": {"device": "cpu"} to zero_optimization (or use impl "torch")'
-        )
     cpu_adam = config.zero_offload.cpu_adam
     try:
         return CPUAdam(params, adamw=config.optimizer.adamw, bias_correction=config.optimizer.bias_correction,
@@ -146,11 +149,11 @@ class Engine:
         self.num_params = self.states.numel
         for buf in model.buffers():  # buffers (masks, running stats) follow the model to the device
             buf.data = buf.data.to(self.accelerator.device)
-        self.optimizer = build_optimizer(
-            config, self.states.master_params, self.states.exp_avgs, self.states.exp_avg_sqs
-        )
+        self.optimizer = self._build_optimizers(config)
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
-        self._one_pass = isinstance(self.states, OffloadedStates) and isinstance(self.optimizer, CPUAdam)
+        self._one_pass = isinstance(self.states, OffloadedStates) and isinstance(
+            self._host_optimizer, CPUAdam
+        )
         self.ledger = MemoryLedger(self.accelerator)
         self.states.record(self.ledger)
         self._upcast = self.accelerator.compute_dtype(self.states.dtype) != self.states.dtype
@@ -163,6 +166,24 @@ class Engine:
         self.skipped_steps = 0
         # One entry per optimizer step: loss scale, overflow, gradient norm, learning rate, Adam's seconds.
         self.history: list[dict] = []
+
+    def _build_optimizers(self, config: Config):
+        """One Adam over every master partition; with a partial offload, one on the host and one on the device.
+
+        zero_offload.cpu_adam.impl chooses the host's Adam; states on the device are updated by torch's fused
+        Adam (or module 1's naive one, when that is the choice)."""
+        states, impl = self.states, config.zero_offload.cpu_adam.impl
+        device_impl = "naive" if impl == "naive" else "torch"
+        host_impl = impl if isinstance(states, OffloadedStates) else device_impl
+        lists = (states.master_params, states.exp_avgs, states.exp_avg_sqs)
+        self._split = split = getattr(states, "host_units", len(states.master_params))
+        if split == len(states.master_params):
+            self._host_optimizer = build_optimizer(config, *lists, impl=host_impl)
+            return self._host_optimizer
+        host = build_optimizer(config, *(x[:split] for x in lists), impl=host_impl) if split else None
+        self._host_optimizer = host
+        self._device_optimizer = build_optimizer(config, *(x[split:] for x in lists), impl=device_impl)
+        return SplitOptimizer(host, self._device_optimizer)
 
     # -- forward ---------------------------------------------------------------------------------------------------
     def _install_upcast_hooks(self) -> None:
@@ -265,12 +286,14 @@ class Engine:
         clip, clip_factor = self.config.gradient_clipping, 1.0
         if clip > 0 and norm > clip:
             clip_factor = clip / (norm + 1e-6)
-        start = time.perf_counter()
+        start, split = time.perf_counter(), self._split
         if self._one_pass:  # module 4: Adam and the fp16 rounding in one pass over the host partition
-            one_pass_offload_step(states, self.optimizer, grads, clip_factor)
-        else:
-            adam_step(self.optimizer, states.master_params, grads, clip_factor)
+            one_pass_offload_step(states, self._host_optimizer, grads[:split], clip_factor)
+        elif self._host_optimizer is not None:
+            adam_step(self._host_optimizer, states.master_params[:split], grads[:split], clip_factor)
         record["adam_seconds"] = time.perf_counter() - start
+        if split < len(grads):  # module 4's partial offload: the rest of the units are updated on the device
+            adam_step(self._device_optimizer, states.master_params[split:], grads[split:], clip_factor)
         states.publish()
 
     def zero_grad(self) -> None:
@@ -292,6 +315,14 @@ class Engine:
     # -- reporting -------------------------------------------------------------------------------------------------
     def estimate_model_states(self):
         zero = self.config.zero_optimization
+        if zero.offload_optimizer.enabled and zero.offload_optimizer.ratio < 1.0:
+            return estimate_partial_offload(
+                self.num_params,
+                stage=zero.stage,
+                world_size=self.config.world_size,
+                precision=self.config.precision,
+                host_fraction=self.states.host_fraction,
+            )
         return estimate_model_states(
             self.num_params,
             stage=zero.stage,

@@ -90,13 +90,23 @@ def plot_losses(series: Mapping[str, Sequence[float]], path: str | Path, *, titl
     return _save(fig, path)
 
 
-def plot_bars(values: Mapping[str, float], path: str | Path, *, title: str, ylabel: str) -> Path:
-    """One bar per label, its value printed on top (benchmarks)."""
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+def plot_bars(
+    values: Mapping[str, float],
+    path: str | Path,
+    *,
+    title: str,
+    ylabel: str,
+    line: tuple[str, float] | None = None,
+) -> Path:
+    """One bar per label, its value printed on top (benchmarks); `line` draws a labelled level across them."""
     labels = list(values)
+    fig, ax = plt.subplots(figsize=(max(6.4, 0.8 * len(labels)), 4.0))
     ax.bar(labels, [values[k] for k in labels], color="tab:blue")
     for x, label in enumerate(labels):
         ax.text(x, values[label], f"{values[label]:.1f}", ha="center", va="bottom", fontsize=8)
+    if line is not None:
+        ax.axhline(line[1], color="tab:red", linestyle="--", label=line[0])
+        ax.legend(fontsize=8)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from ..accelerator import Accelerator
+from ..basics.precision import has_overflow
 from ..principles.comm import Comm
 from ..principles.zero import ShardedStates, all_gather_unit
 
@@ -161,7 +162,11 @@ def overflow_on_any_rank(comm: Comm, host_grad: torch.Tensor) -> bool:
 
 
 class OffloadedStates(ShardedStates):
-    """ZeRO stage 1-3 with the optimizer (and at stage 3 optionally the weights) on the host."""
+    """ZeRO stage 1-3 with the optimizer (and at stage 3 optionally the weights) on the host.
+
+    With `offload_optimizer.ratio` < 1 (module 4, tuning/partial.py) only the leading `host_units` units keep
+    their optimizer states and gradients on the host; the others keep them on the device, as ZeRO-2 would.
+    """
 
     def __init__(
         self,
@@ -179,6 +184,7 @@ class OffloadedStates(ShardedStates):
         self.offload_param = zero.offload_param.enabled
         self.pin_optimizer = zero.offload_optimizer.pin_memory
         self.pin_param = zero.offload_param.pin_memory
+        self.ratio = zero.offload_optimizer.ratio
         self._uploads: dict[int, torch.Tensor] = {}  # stage 3: shards on their way to a gather
         # Set by module 4's one-pass CPU Adam, which writes the fp16 weights into the staging buffers itself.
         self.weights_rounded = False
@@ -191,6 +197,15 @@ class OffloadedStates(ShardedStates):
     def _host(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         return host_buffer(self.accel, numel, dtype, pin=pin)
 
+    def _placement(self) -> tuple[list[int], list[int]]:
+        """Shard sizes of the units whose optimizer is on the host, and of those whose optimizer is not."""
+        from ..tuning.partial import host_unit_count  # module 4
+
+        sizes = [u.shard_numel for u in self.units]
+        self.host_units = len(sizes) if self.ratio >= 1.0 else host_unit_count(sizes, self.ratio)
+        self.host_fraction = sum(sizes[: self.host_units]) / sum(sizes)
+        return sizes[: self.host_units], sizes[self.host_units :]
+
     def _allocate_weights(self, full_numel: int, shard_numel: int) -> None:
         if not self.offload_param:
             return super()._allocate_weights(full_numel, shard_numel)
@@ -199,27 +214,39 @@ class OffloadedStates(ShardedStates):
         self.full_params = []  # gather buffers, made one unit at a time in _initialise
 
     def _allocate_gradients(self, full_numel: int, shard_numel: int) -> None:
-        sizes = [u.shard_numel for u in self.units]
-        self.flat_grad = self._host(shard_numel, torch.float32, self.pin_optimizer)
-        self.grad_shards = self._split(self.flat_grad, sizes)
-        self.grad_staging = self._split(self._host(shard_numel, self.dtype, self.pin_optimizer), sizes)
+        host, device = self._placement()
+        self.flat_grad = self._host(sum(host), torch.float32, self.pin_optimizer)
+        self.grad_staging = self._split(self._host(sum(host), self.dtype, self.pin_optimizer), host)
+        # Units updated on the device keep a gradient shard there, in the training precision, still scaled.
+        self.device_grad = self.accel.zeros(sum(device), self.dtype, category="gradients")
+        self.grad_shards = self._split(self.flat_grad, host) + self._split(self.device_grad, device)
 
     def _allocate_optimizer_states(self, shard_numel: int) -> None:
-        sizes = [u.shard_numel for u in self.units]
+        host, device = self._placement()
         # Even fp32 training keeps a separate fp32 master on the host: the device's copy is the one forward reads.
-        self.master = self._host(shard_numel, torch.float32, self.pin_optimizer)
-        self.master_params = self._split(self.master, sizes)
-        self.exp_avg = self._host(shard_numel, torch.float32, self.pin_optimizer)
-        self.exp_avg_sq = self._host(shard_numel, torch.float32, self.pin_optimizer)
-        self.exp_avgs = self._split(self.exp_avg, sizes)
-        self.exp_avg_sqs = self._split(self.exp_avg_sq, sizes)
+        self.master = self._host(sum(host), torch.float32, self.pin_optimizer)
+        self.exp_avg = self._host(sum(host), torch.float32, self.pin_optimizer)
+        self.exp_avg_sq = self._host(sum(host), torch.float32, self.pin_optimizer)
+        on_device = self.param_shards[self.host_units :]
+        self.device_master = None  # fp32 weights on the device are their own master
+        if self.dtype != torch.float32:
+            self.device_master = self.accel.empty(sum(device), torch.float32, category="master_weights")
+            on_device = self._split(self.device_master, device)
+        self.device_exp_avg = self.accel.zeros(sum(device), torch.float32, category="optimizer_states")
+        self.device_exp_avg_sq = self.accel.zeros(sum(device), torch.float32, category="optimizer_states")
+        self.master_params = self._split(self.master, host) + on_device
+        self.exp_avgs = self._split(self.exp_avg, host) + self._split(self.device_exp_avg, device)
+        self.exp_avg_sqs = self._split(self.exp_avg_sq, host) + self._split(self.device_exp_avg_sq, device)
         if self.offload_param or self.dtype == torch.float32:
             self.param_staging = self.master_params if not self.offload_param else self.param_shards
         else:
-            self.param_staging = self._split(self._host(shard_numel, self.dtype, self.pin_optimizer), sizes)
+            self.param_staging = self._split(self._host(sum(host), self.dtype, self.pin_optimizer), host)
+        self.param_staging = self.param_staging[: self.host_units]
 
     # -- backward: each reduced shard crosses to the host ------------------------------------------------------
     def _deliver_gradient(self, index: int, shard: torch.Tensor) -> None:
+        if index >= self.host_units:  # updated on the device: accumulate there, as ZeRO-2 does
+            return super()._deliver_gradient(index, shard)
         gradients_to_host(
             self.transfers, shard, self.grad_staging[index], self.grad_shards[index], 1.0 / self.loss_scale()
         )
@@ -243,19 +270,33 @@ class OffloadedStates(ShardedStates):
 
     # -- the step ---------------------------------------------------------------------------------------------
     def overflow(self) -> bool:
-        return overflow_on_any_rank(self.comm, self.flat_grad)
+        on_host = overflow_on_any_rank(self.comm, self.flat_grad)
+        if self.host_units == len(self.units):
+            return on_host
+        on_device = self.comm.any(has_overflow(self.device_grad))  # every rank asks both: collectives pair up
+        return on_host or on_device
 
     def fp32_gradients(self, inv_scale: float) -> list[torch.Tensor]:
-        return self.grad_shards  # fp32 already, and unscaled on arrival (Lab 3.1)
+        host = self.grad_shards[: self.host_units]  # fp32 already, and unscaled on arrival (Lab 3.1)
+        if self.host_units == len(self.units):
+            return host
+        device = self.device_grad
+        if device.dtype != torch.float32:
+            device = self.accel.empty(device.numel(), torch.float32, category="gradients").copy_(device)
+        device.mul_(inv_scale)
+        return host + self._split(device, [u.shard_numel for u in self.units[self.host_units :]])
 
     def publish(self) -> None:
         rounded, self.weights_rounded = self.weights_rounded, False
         for index in range(len(self.units)):
-            if self.offload_param:  # the weights stay on the host: round into the host shard, no upload
+            if index >= self.host_units:  # updated on the device: round there, nothing crosses the link
+                if self.device_master is not None:
+                    self.param_shards[index].copy_(self.master_params[index])
+            elif self.offload_param:  # the weights stay on the host: round into the host shard, no upload
                 if not rounded:
                     self.param_shards[index].copy_(self.master_params[index])
                 continue
-            if rounded:  # the one-pass update already rounded them into the staging buffer: upload only
+            elif rounded:  # the one-pass update already rounded them into the staging buffer: upload only
                 self.transfers.to_device(self.param_shards[index], self.param_staging[index])
             else:
                 upload_weights(
@@ -266,6 +307,18 @@ class OffloadedStates(ShardedStates):
                 )
             if self.stage < 3:
                 all_gather_unit(self.comm, self.full_params[index], self.param_shards[index])
+
+    def zero_grad(self) -> None:
+        self.flat_grad.zero_()
+        self.device_grad.zero_()
+
+    def record(self, ledger) -> None:
+        super().record(ledger)
+        ledger.record("gradients", self.device_grad)
+        if self.device_master is not None:
+            ledger.record("master_weights", self.device_master)
+        ledger.record("exp_avg", self.device_exp_avg)
+        ledger.record("exp_avg_sq", self.device_exp_avg_sq)
 
     def host_staging_bytes(self) -> int:
         """Host memory beyond the model states: the fp16 buffers gradients and weights pass through."""

@@ -1,0 +1,74 @@
+"""Partial offload: `offload_optimizer.ratio` runs that share of the optimizer step on the host, the rest on the device.
+
+A whole offload moves 16 bytes a parameter of optimizer states and gradients to the host and makes the CPU do
+all of Adam. When the device has memory to spare and the CPU step is the slower side, keeping some units'
+optimizer states on the device (and updating them there) trades device memory for CPU time. DeepSpeed has the
+key for ZeRO-3; here it works at stages 1-3.
+
+The split is by unit (the parameters of one module; see principles/partition.py), in model order: the leading
+units whose share of this rank's optimizer states comes closest to `ratio` keep theirs on the host, the others
+on the device. Whole units keep each unit's buffers contiguous, so every part of the step still runs over a
+flat range. The results are the same either way: it is the same Adam on the same fp32 numbers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..basics.memory import ModelStateBytes, estimate_model_states
+
+
+def host_unit_count(shard_sizes: list[int], ratio: float) -> int:
+    """How many leading units keep their optimizer states on the host for offload `ratio` (0 < ratio <= 1)."""
+    target = ratio * sum(shard_sizes)
+    best, best_gap, running = 0, target, 0
+    for count, size in enumerate(shard_sizes, start=1):
+        running += size
+        gap = abs(running - target)
+        if gap <= best_gap:  # on a tie, more on the host: the ratio names the host's share
+            best, best_gap = count, gap
+    return best
+
+
+def estimate_partial_offload(
+    num_params: int, *, stage: int, world_size: int, precision: str, host_fraction: float
+) -> ModelStateBytes:
+    """`estimate_model_states` with offload_optimizer "cpu", then the device's share moved back to the device.
+
+    Per element kept on the device: its gradient stays in the training precision (2 or 4 bytes) instead of the
+    host's fp32 copy, and master weight (none in fp32: the device weights are their own master), m and v sit
+    in device memory.
+    """
+    result = estimate_model_states(
+        num_params, stage=stage, world_size=world_size, offload_optimizer="cpu", precision=precision
+    )
+    shard = math.ceil(num_params / world_size)
+    on_device = shard - round(shard * host_fraction)
+    low = 4 if precision == "fp32" else 2
+    moved = {"gradients": (4, low), "master_weights": (4, 0 if precision == "fp32" else 4)}
+    moved.update({"exp_avg": (4, 4), "exp_avg_sq": (4, 4)})
+    for state, (host_bytes, device_bytes) in moved.items():
+        result.add(state, "host", -host_bytes * on_device)
+        result.add(state, "device", device_bytes * on_device)
+    return result
+
+
+class SplitOptimizer:
+    """The host's Adam and the device's Adam as one optimizer for the schedule, the history and checkpoints.
+
+    `param_groups` lists both optimizers' groups (the same dicts, so a schedule that writes an lr reaches both);
+    `state` finds any parameter's moments in whichever optimizer holds it. The engine steps the two parts itself,
+    each over its own units.
+    """
+
+    def __init__(self, host: torch.optim.Optimizer | None, device: torch.optim.Optimizer | None):
+        self.host, self.device = host, device
+        self.parts = [part for part in (host, device) if part is not None]
+        self.param_groups = [group for part in self.parts for group in part.param_groups]
+        self.state = {param: state for part in self.parts for param, state in part.state.items()}
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
