@@ -11,9 +11,11 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +59,7 @@ LABS: dict[int, Lab] = {lab.number: lab for lab in (
         Task("3.2", "The offloaded Adam step over the flat partition", 25),
         Task("3.3", "Cast and upload the updated weights", 25),
         Task("3.4", "Overflow across ranks: skip everywhere, lose nothing", 25))),
-    Lab(4, "tuning", "调优篇 tuning: a SIMD CPU Adam kernel in C", False, (
+    Lab(4, "tuning", "调优篇 tuning: a SIMD CPU Adam kernel in C", True, (
         Task("4.1", "The AVX2 FMA loop in fp32", 34),
         Task("4.2", "The fp16 weight output with F16C", 33),
         Task("4.3", "The scalar tail", 33))),
@@ -77,8 +79,13 @@ class TaskResult:
     task: Task
     passed: bool
     n_tests: int
-    first_failure: str  # "Type: first line of the message [test name]", or why nothing ran
-    status: str  # PASS, FAIL, or NO TESTS when no test is marked with this task
+    first_failure: str  # "Type: first line of the message [test name]", why nothing ran, or why it skipped
+    status: str  # PASS, FAIL, SKIPPED (this machine cannot run any of its tests), or NO TESTS
+    details: tuple[str, ...] = ()  # printed under the table: the lines after the first, e.g. a compiler's
+
+    @property
+    def skipped(self) -> bool:
+        return self.status == "SKIPPED"
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,8 @@ class GradeResult:
 
     @property
     def passed(self) -> bool:
-        return all(t.passed for t in self.tasks)
+        """Every task passed, or was skipped because this machine cannot run it (and at least one passed)."""
+        return all(t.passed or t.skipped for t in self.tasks) and any(t.passed for t in self.tasks)
 
     @property
     def points(self) -> int:
@@ -114,8 +122,30 @@ class GradeResult:
         tail = (
             f"Lab {lab.number}: {n_passed} of {len(self.tasks)} tasks passed, {self.points} / {total} points"
         )
-        lines = [*head, row("Task", "Title", "Points", "Result", "First failure"), rule, *rows, "", tail]
+        skipped = [t.task.id for t in self.tasks if t.skipped]
+        if skipped:
+            tail += f"; {', '.join(skipped)} skipped: this machine cannot run them"
+        notes = [line for t in self.tasks for line in _notes(t)]
+        header = row("Task", "Title", "Points", "Result", "First failure")
+        lines = [*head, header, rule, *rows, "", *notes, tail]
         return "\n".join(lines)
+
+
+def _notes(result: TaskResult) -> list[str]:
+    """What the table's last column cuts short, in full under it: why a task was skipped, a compiler's errors."""
+    if result.skipped:
+        return [
+            *textwrap.wrap(f"{result.task.id}: {result.first_failure}", WIDTH, subsequent_indent="    "),
+            "",
+        ]
+    if not result.details:
+        return []
+    indented = [
+        line
+        for d in result.details
+        for line in textwrap.wrap(d, WIDTH, initial_indent="    ", subsequent_indent="    ")
+    ]
+    return [_fit(f"{result.task.id}: {result.first_failure}", WIDTH).rstrip(), *indented, ""]
 
 
 def _width(text: str) -> int:  # Chinese characters take two columns
@@ -147,9 +177,17 @@ def summarize(lab: Lab, data: dict, output: str = "", source: Path = Path(".")) 
     results = []
     for task in lab.tasks:
         tests = [t for t in data.get("tests", ()) if t["task"] == task.id]
-        failed = [t["message"] for t in tests if not t["passed"]]
-        if failed or errors:  # an error means some tests never ran, so no task can count as passed
-            results.append(TaskResult(task, False, len(tests), (errors or failed)[0], "FAIL"))
+        failed = [t for t in tests if not t["passed"] and not t.get("skipped")]
+        skipped = [t for t in tests if t.get("skipped")]
+        if errors:  # an error means some tests never ran, so no task can count as passed
+            results.append(TaskResult(task, False, len(tests), errors[0], "FAIL"))
+        elif failed:
+            first = failed[0]
+            results.append(
+                TaskResult(task, False, len(tests), first["message"], "FAIL", tuple(first["details"]))
+            )
+        elif tests and len(skipped) == len(tests):
+            results.append(TaskResult(task, False, len(tests), skipped[0]["message"], "SKIPPED"))
         elif tests:
             results.append(TaskResult(task, True, len(tests), "", "PASS"))
         else:
@@ -206,7 +244,30 @@ def _run_tests(lab: int, overlay: Path, repo: Path, tasks: tuple[str, ...] = ())
     output = run.stdout + run.stderr
     if not results.is_file():  # pytest stopped before its session began
         return {"errors": [f"pytest could not start: {error_line(output)}"]}, output
-    return json.loads(results.read_text(encoding="utf-8")), output
+    data = json.loads(results.read_text(encoding="utf-8"))
+    if not data.get("finished", True):
+        _blame_the_crash(data, run.returncode)
+    return data, output
+
+
+def _blame_the_crash(data: dict, returncode: int) -> None:
+    """The test process died (a learner's C code writing outside its arrays, say): fail the test that was
+    running with the signal's name, and say why the tests after it did not run."""
+    how = f"exit status {returncode}"
+    if returncode < 0:
+        try:
+            how = signal.Signals(-returncode).name
+        except ValueError:
+            how = f"signal {-returncode}"
+    crashed = next((t for t in data["tests"] if t["nodeid"] == data.get("running")), None)
+    if crashed is None:
+        data["errors"].append(f"the test process died ({how}) between tests")
+        return
+    crashed.update(passed=False, message=f"the test process died ({how}) in this test [{crashed['name']}]")
+    crashed["details"] = ["C code that reads or writes past the end of an array can do this"]
+    for test in data["tests"]:
+        if test["message"] == "did not run":
+            test["message"] = f"did not run: the tests stopped at {crashed['name']} ({how})"
 
 
 def grade(

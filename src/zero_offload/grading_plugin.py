@@ -2,7 +2,12 @@
 
 It checks that the tests import the overlay built by grading.py (the learner's files), not an installed
 copy of the engine; requires every graded test to name its task with `@pytest.mark.task("1.2")`; and
-writes each test's outcome to $ZO_GRADING_RESULTS for grading.py to turn into a table.
+writes each test's outcome to $ZO_GRADING_RESULTS for grading.py to turn into a table. The file is
+rewritten as each test starts, so that if a learner's C code kills the process, grading.py still knows
+which test was running.
+
+A test skipped by a `skipif` mark whose condition holds (a machine that cannot run it, e.g. an AVX task on
+ARM) is recorded as skipped, not failed; any other skip counts as a failure.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class _Recorder:
         self.lab, self.overlay, self.results = lab, overlay, results
         self.tests: dict[str, dict] = {}  # nodeid -> outcome, in the order the tests were collected
         self.errors: list[str] = []
+        self.running: str | None = None
 
     def _fail(self, message: str) -> None:
         self.errors.append(message)
@@ -69,32 +75,56 @@ class _Recorder:
                 "name": item.name,
                 "passed": None,
                 "message": "did not run",
+                "details": [],
+                "skipped": False,
+                # skipif(True, ...): this machine cannot run the test, which the learner's code cannot change
+                "skippable": any(m.args and m.args[0] is True for m in item.iter_markers("skipif")),
             }
+
+    def pytest_runtest_logstart(self, nodeid: str) -> None:
+        self.running = nodeid
+        self._write(finished=False)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         test = self.tests.get(report.nodeid)
         if test is None:
             return
-        if report.failed or report.skipped:  # a skipped test has not shown that the task works
+        if report.skipped and report.when == "setup" and test["skippable"]:
+            test.update(skipped=True, message=_message(report)[0].removeprefix("skipped: "))
+        elif report.failed or report.skipped:  # any other skip has not shown that the task works
             if test["passed"] is not False:  # keep the first failure: later ones often follow from it
-                test["message"] = f"{_message(report)} [{test['name']}]"
+                first, details = _message(report)
+                test.update(message=f"{first} [{test['name']}]", details=details)
             test["passed"] = False
         elif report.when == "call" and test["passed"] is None:
             test["passed"] = True
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.running = None
+        self._write(finished=True)
+
+    def _write(self, *, finished: bool) -> None:
         tests = [{"nodeid": nodeid, **t, "passed": bool(t["passed"])} for nodeid, t in self.tests.items()]
-        data = {"tests": tests, "errors": self.errors}
+        data = {"tests": tests, "errors": self.errors, "running": self.running, "finished": finished}
         self.results.write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
 
 
-def _message(report: pytest.TestReport) -> str:
+DETAIL_LINES = 8  # of a message written for the learner, e.g. a compiler's errors
+
+
+def _message(report: pytest.TestReport) -> tuple[str, list[str]]:
+    """The first line of what went wrong, and, for a message a test wrote itself, the lines after it."""
     if report.skipped and isinstance(report.longrepr, tuple):  # (file, line, "Skipped: why")
-        return f"skipped: {report.longrepr[2].removeprefix('Skipped: ')}"
+        return f"skipped: {report.longrepr[2].removeprefix('Skipped: ')}", []
     crash = getattr(report.longrepr, "reprcrash", None)
+    if crash and crash.message.startswith(
+        "Failed: "
+    ):  # pytest.fail(message): all of it written for the learner
+        lines = crash.message.removeprefix("Failed: ").strip().splitlines() or [report.outcome]
+        return lines[0], lines[1 : 1 + DETAIL_LINES]
     text = (crash.message if crash else error_line(str(report.longrepr))).strip() or report.outcome
     first = text.splitlines()[0]
-    return first if report.when == "call" else f"in {report.when}: {first}"
+    return (first if report.when == "call" else f"in {report.when}: {first}"), []
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

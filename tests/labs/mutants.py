@@ -2,8 +2,10 @@
 
 MUTANTS maps a task id to a list of (name, code) pairs. The code replaces that task's whole marked
 region in the solution (markers included), written without indentation: it is indented to the
-region's level. For every mutant the meta-test grades the solution with that one region replaced and
-asserts that the task FAILS; other tasks may pass or fail. Example:
+region's level. Or the code is an (old, new) pair: `old` must occur exactly once in the task's region
+of the solution, and is replaced by `new` (lab 4's C mistakes are one expression each). For every mutant
+the meta-test grades the solution with that one change and asserts that the task FAILS; other tasks
+may pass or fail. Example:
 
     MUTANTS = {
         "1.2": [
@@ -12,10 +14,11 @@ asserts that the task FAILS; other tasks may pass or fail. Example:
                 ...
             '''),
         ],
+        "4.3": [("the tail stops one short", ("a, i, end", "a, i, end - 1"))],
     }
 """
 
-MUTANTS: dict[str, list[tuple[str, str]]] = {
+MUTANTS: dict[str, list[tuple[str, str | tuple[str, str]]]] = {
     "1.1": [
         (
             "momentum without the (1 - beta1) factor",
@@ -427,6 +430,53 @@ MUTANTS.update(
             return comm.any(bool(torch.isinf(host_grad).any()))
         """,
             ),
+        ],
+    }
+)
+
+
+MUTANTS.update(
+    {
+        "4.1": [
+            ("m without the (1 - beta1) factor", ("_mm256_mul_ps(one_minus_beta1, g)", "g")),
+            (
+                "no bias correction of v in the vector loop",
+                ("_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt)", "_mm256_sqrt_ps(v)"),
+            ),
+            (
+                "AdamW decay applied as Adam's L2 term",
+                (
+                    "if (a->adamw) w = _mm256_mul_ps(w, decay);",
+                    "if (a->adamw) g = _mm256_fmadd_ps(wd, w, g);",
+                ),
+            ),
+            (
+                "the gradient factor (loss scale, clipping) left out",
+                (
+                    "_mm256_mul_ps(load8_grad(a->grad, a->grad_dtype, i), scale)",
+                    "load8_grad(a->grad, a->grad_dtype, i)",
+                ),
+            ),
+            (
+                "each chunk starts at element 0",
+                ("for (; i + 8 <= end; i += 8)", "for (i = 0; i + 8 <= end; i += 8)"),
+            ),
+            ("runs past the end: i < end", ("i + 8 <= end", "i < end")),
+        ],
+        "4.2": [
+            (
+                "truncation instead of round to nearest even",
+                ("_mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT)", "_mm256_cvtps_ph(w, _MM_FROUND_TO_ZERO)"),
+            ),
+            ("every group of 8 stored at the start of out", ("(uint16_t *)out + i", "(uint16_t *)out")),
+        ],
+        "4.3": [
+            (
+                "the tail starts at begin: the vector loop's elements updated twice",
+                ("a, i, end", "a, begin, end"),
+            ),
+            ("the tail stops one short", ("a, i, end", "a, i, end - 1")),
+            ("the tail runs to the end of the array, not of this chunk", ("a, i, end", "a, i, a->n")),
         ],
     }
 )

@@ -28,7 +28,7 @@
 /* Lab 4's stubs call ZO_LAB_NOT_IMPLEMENTED("Lab 4.x: ..."): the update then reports the missing task to
  * Python (zo_adam_update returns -2, zo_missing_lab() names it) instead of silently computing something. */
 static const char *missing_lab = NULL;
-#define ZO_LAB_NOT_IMPLEMENTED(message) (missing_lab = (message))
+#define ZO_LAB_NOT_IMPLEMENTED(message) (missing_lab = missing_lab ? missing_lab : (message)) /* the first */
 const char *zo_missing_lab(void) { return missing_lab; }
 
 /* ---------------------------------------------------------------------------------------- conversions */
@@ -290,6 +290,7 @@ static void run_threads(const zo_adam_args *a, zo_kernel kernel, int threads) {
 }
 
 int zo_adam_update(const zo_adam_args *a, int variant, int threads) {
+    missing_lab = NULL; /* this update's own report: an earlier call's stub does not stick */
     if (variant == ZO_AUTO) variant = cpu_has_avx512() ? ZO_AVX512F : cpu_has_avx2() ? ZO_AVX2_FMA : ZO_SCALAR;
     if (variant < 0 || variant > ZO_AVX512F || !(zo_cpu_variants() & (1 << variant))) return -1;
     zo_kernel kernels[] = {adam_scalar, adam_avx2, adam_avx512};
