@@ -368,8 +368,9 @@ def test_fp16_and_bf16_gradients_are_read_by_the_vector_loop(kernel):
 @needs_vector_loop("4.1")
 @pytest.mark.task("4.1")
 def test_the_loop_starts_at_begin_and_stops_before_the_tail(kernel):
-    # Two threads: the second chunk begins at element 2048. Length 1003: the engine's tail does the last 3.
-    _agree(kernel, 4096, "n=4096 on 2 threads", threads=2, adamw=True)
+    # Two threads (each gets at least 2^16 elements): the second chunk begins at element 2^16. Length 1003: the
+    # engine's tail does the last 3.
+    _agree(kernel, 2**17, "n=131072 on 2 threads", threads=2, adamw=True)
     _agree(kernel, 1003, "n=1003 (the last 3 by the engine's tail)", adamw=True)
 
 
@@ -403,7 +404,7 @@ LENGTHS = (1, 7, 9, 15, 17, 2**12 + 3)
 def _every_length(kernel):
     for n in LENGTHS:
         _agree(kernel, n, f"n={n}", out_dtype=torch.float16)
-    _agree(kernel, 2**12 + 3, "n=4099 on 2 threads (the first chunk ends at 2112)", threads=2)
+    _agree(kernel, 2**17 + 3, "n=131075 on 2 threads (the first chunk ends at 65600)", threads=2)
 
 
 @needs_vector_loop("4.3")

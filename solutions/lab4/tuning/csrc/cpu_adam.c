@@ -265,6 +265,7 @@ static int cpu_has_avx512(void) { return 0; }
 
 /* ----------------------------------------------------------------------------------- dispatch, threads */
 typedef void (*zo_kernel)(const zo_adam_args *, int64_t, int64_t);
+enum { ZO_MIN_PER_THREAD = 1 << 16 };
 
 int zo_cpu_variants(void) {
     return (1 << ZO_SCALAR) | (cpu_has_avx2() ? 1 << ZO_AVX2_FMA : 0) | (cpu_has_avx512() ? 1 << ZO_AVX512F : 0);
@@ -285,6 +286,9 @@ static void *run_chunk(void *p) {
 /* Split [0, n) over `threads` threads, the calling thread included. */
 static void run_threads(const zo_adam_args *a, zo_kernel kernel, int threads) {
     if (threads > ZO_MAX_THREADS) threads = ZO_MAX_THREADS;
+    /* Starting a thread costs tens of microseconds, as much as updating ~32K elements: small tensors (a bias,
+     * a layer norm) run on the calling thread alone, and each thread gets at least ZO_MIN_PER_THREAD. */
+    if ((int64_t)threads * ZO_MIN_PER_THREAD > a->n) threads = (int)(a->n / ZO_MIN_PER_THREAD);
     /* Chunks are whole multiples of 64 elements (256 bytes of fp32): no two threads share a cache line. */
     int64_t per = ((a->n + threads - 1) / (threads > 0 ? threads : 1) + 63) / 64 * 64;
     if (threads <= 1 || per >= a->n) {
