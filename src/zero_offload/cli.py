@@ -1,4 +1,4 @@
-"""The `zo` command: demo, train, estimate, bench, grade, check-config, checkpoint."""
+"""The `zo` command: demo, train, estimate, plan, bench, grade, check-config, checkpoint."""
 
 from __future__ import annotations
 
@@ -47,6 +47,63 @@ def _estimate(args) -> int:
     print(
         f"device {format_gb(est.device)}, host {format_gb(est.host)}, nvme {format_gb(est.nvme)} (1 GB = 1e9 B)"
     )
+    return 0
+
+
+def _size(text: str) -> int:
+    from .units import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _plan(args) -> int:
+    from dataclasses import replace
+
+    from .tuning import perfmodel
+    from .tuning.advisor import advise, describe, format_plans, format_recommendation, recommend, save_plots
+
+    at_least_one = {"gpus": args.gpus, "batch": args.batch, "seq": args.seq, "threads": args.threads,
+                    "units": args.units, "params": args.params}  # fmt: skip
+    positive = {"link": args.link, "tflops": args.tflops, "cpu-adam": args.cpu_adam,
+                "gpu-memory": args.gpu_memory, "host-memory": args.host_memory}  # fmt: skip
+    problems = [f"--{name} must be at least 1" for name, v in at_least_one.items() if v is not None and v < 1]
+    problems += [f"--{name} must be more than 0" for name, v in positive.items() if v is not None and v <= 0]
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        problems.append("--mfu is a share of the peak TFLOP/s, in (0, 1], e.g. 0.4")
+    if problems:
+        hint = " (--gpus 1 for a single GPU)" if args.gpus is not None and args.gpus < 1 else ""
+        print(f"error: {'; '.join(problems)}{hint}", file=sys.stderr)
+        return 2
+    if args.preset == "this-cpu" or args.calibrate:
+        print("calibrating: timing this machine's CPU Adam and memory ...", file=sys.stderr)
+        base = None if args.preset == "this-cpu" else perfmodel.PRESETS[args.preset]
+        hw = perfmodel.calibrate(base, threads=args.threads, precision=args.precision)
+    else:
+        hw = perfmodel.PRESETS[args.preset]
+    overrides = {"gpus": args.gpus, "gpu_memory": args.gpu_memory, "host_memory": args.host_memory,
+                 "link_gb_per_s": args.link, "gpu_tflops": args.tflops, "mfu": args.mfu,
+                 "cpu_adam_params_per_s": args.cpu_adam}  # fmt: skip
+    hw = replace(hw, **{key: value for key, value in overrides.items() if value is not None})
+    wl = perfmodel.Workload(args.params, batch=args.batch, seq_len=args.seq, precision=args.precision,
+                            recompute=args.recompute, units=args.units)  # fmt: skip
+    plans = perfmodel.plan_all(hw, wl)
+    print(describe(hw, wl), format_plans(plans), format_recommendation(recommend(hw, wl)), sep="\n\n")
+    if args.stage is not None:  # the user's own choice, checked against the rules
+        try:
+            mine = perfmodel.plan(hw, wl, args.stage, args.offload)
+        except ValueError as err:
+            print(f"error: --stage {args.stage} --offload {args.offload}: {err}", file=sys.stderr)
+            return 2
+        fits = "fits" if mine.fits else "does not fit"
+        print(f"\nYour choice, {mine.label}: {fits}, predicted {mine.time.serial:.3g} s a step (serial)")
+        for advice in advise(hw, wl, mine, plans):
+            print(f"  {advice.level}: [{advice.rule}] {advice.message}")
+    if args.plot:
+        for path in save_plots(hw, wl, args.plot):
+            print(f"plot: {path}")
     return 0
 
 
@@ -115,6 +172,34 @@ def main(argv: list[str] | None = None) -> int:
     est.add_argument("--offload-param", default="none", choices=["none", "cpu", "nvme"])
     est.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"])
 
+    plan = sub.add_parser(
+        "plan", help="predict memory and step time of every ZeRO stage x offload, and advise"
+    )
+    plan.add_argument("--params", type=parse_count, required=True, help="e.g. 13B, 350M, 1e9")
+    plan.add_argument("--preset", default="a100-80g", choices=["v100-32g", "a100-80g", "h200", "this-cpu"],
+                      help="hardware figures to start from (this-cpu: measured here)")  # fmt: skip
+    plan.add_argument(
+        "--calibrate", action="store_true", help="measure this host's CPU Adam and memory first"
+    )
+    plan.add_argument("--gpus", type=int, help="GPUs on the host, one rank each")
+    plan.add_argument("--gpu-memory", type=_size, help="per GPU, e.g. 80GB")
+    plan.add_argument("--host-memory", type=_size, help="e.g. 256GB")
+    plan.add_argument("--link", type=float, help="device<->host GB/s per GPU and direction (PCIe)")
+    plan.add_argument("--tflops", type=float, help="peak dense TFLOP/s per GPU")
+    plan.add_argument("--mfu", type=float, help="share of peak a training step reaches (default 0.4)")
+    plan.add_argument("--cpu-adam", type=parse_count, help="host CPU Adam throughput, parameters/s (e.g. 5G)")
+    plan.add_argument("--threads", type=int, help="CPU Adam threads for --calibrate (default: the engine's)")
+    plan.add_argument("--batch", type=int, default=1, help="micro-batch per GPU, in sequences")
+    plan.add_argument("--seq", type=int, default=1024, help="sequence length in tokens")
+    plan.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"])
+    plan.add_argument("--recompute", action="store_true", help="with activation checkpointing")
+    plan.add_argument("--units", type=int, help="tensors the CPU Adam updates per step (default: 6 a layer)")
+    plan.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="check this choice against the rules")
+    plan.add_argument("--offload", default="none", choices=["none", "optimizer", "optimizer+param"])
+    plan.add_argument(
+        "--plot", metavar="DIR", help="save plots of step time against batch and link bandwidth"
+    )
+
     train = sub.add_parser(
         "train", help="train the tiny GPT with a DeepSpeed-style config (works under torchrun)"
     )
@@ -127,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks, reported as ratios from one run (out/bench/)")
     bench.add_argument("--out", default="out/bench")
     bench.add_argument("--numel", type=parse_count, default=16_700_000)
-    bench.add_argument("--repeats", type=int, default=10)
+    bench.add_argument("--rounds", type=int, default=7, help="interleaved rounds; each times every variant")
+    bench.add_argument("--threads", type=int, default=2)
 
     grade = sub.add_parser("grade", help="grade a lab: zo grade 1 [--lab-dir solutions]")
     grade.add_argument("rest", nargs=argparse.REMAINDER)
@@ -154,10 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args)
     if args.command == "estimate":
         return _estimate(args)
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "bench":
         from .bench import run_bench
 
-        run_bench(args.out, numel=args.numel, repeats=args.repeats)
+        run_bench(args.out, numel=args.numel, rounds=args.rounds, threads=args.threads)
         return 0
     if args.command == "grade":
         from .grading import main as grade_main

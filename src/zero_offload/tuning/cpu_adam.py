@@ -174,7 +174,8 @@ class CPUAdam(torch.optim.Optimizer):
 def one_pass_offload_step(states, optimizer: CPUAdam, grads: list[torch.Tensor], clip_factor: float) -> None:
     """The offloaded step of module 3 in one pass per unit: Adam on the host partition and, in the same pass,
     the weights written into the staging buffers publish() uploads (no separate cast pass)."""
-    group = optimizer.param_groups[0]  # its parameters: the host's units, which come first (tuning/partial.py)
+    # The optimizer's parameters are the host's units, which come first (tuning/partial.py).
+    group = optimizer.param_groups[0]
     for index, (master, grad) in enumerate(zip(group["params"], grads, strict=True)):
         staging = states.param_staging[index]
         state = optimizer.state[master]

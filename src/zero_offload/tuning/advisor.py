@@ -1,0 +1,287 @@
+"""The advisor on top of perfmodel.py, and what `zo plan` prints and draws.
+
+The course introduction ends with a table of common mistakes. Here each row is a rule that computes its
+numbers for the hardware and model at hand, instead of quoting a rule of thumb:
+
+  "offload is always faster"        offload-not-needed, cpu-step-dominates
+  "pin_memory does not matter"      pin-memory (with the measured pinned/pageable ratio), pin-memory-limit
+  "stage 3 plus every offload"      offload-param-not-needed, stage3-traffic
+  "the host has memory enough"      host-memory (bytes a parameter: model states + staging, computed)
+
+`recommend` picks the fastest configuration that fits, and where the device has room for part of the
+optimizer, the smallest offload ratio that fits (the share of the optimizer step run on the host).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..units import format_gb as gb
+from .perfmodel import HOST_RESERVE, Hardware, Plan, Workload, plan, plan_all
+
+PIN_WARN_FRACTION = 0.8  # pinned pages cannot be swapped: pinning most of the RAM starves everything else
+RATIO_STEP = 0.05  # partial-offload ratios are suggested in steps of 5%
+
+
+@dataclass(frozen=True)
+class Advice:
+    level: str  # "info", "warning" or "error"
+    rule: str  # a short name, stable for tests and for the course text
+    message: str
+
+
+def advise(hw: Hardware, wl: Workload, chosen: Plan, plans: list[Plan]) -> list[Advice]:
+    """What the introduction's table of mistakes says about `chosen`, computed for this hardware and model."""
+    advice, t, offloads = [], chosen.time, chosen.offload != "none"
+    on_device = [p for p in plans if p.offload == "none" and p.fits]
+    if offloads and on_device:  # mistake 1: "offload is always faster"
+        best = min(on_device, key=lambda p: p.time.serial)
+        why = (
+            f"{best.label} fits without offload ({gb(best.device_bytes)} of {gb(best.device_usable)} per GPU) "
+            f"and is predicted {best.time.serial:.3g} s a step against {t.serial:.3g} s: offloading adds a CPU "
+            f"step of {t.cpu_adam:.3g} s and {t.pcie:.3g} s of PCIe copies to save memory that is not needed"
+        )
+        advice.append(Advice("warning", "offload-not-needed", why))
+    if offloads and t.cpu_adam > t.compute:
+        threads = max(1, hw.cpu_cores // hw.gpus)
+        more = (
+            f"give the CPU Adam {threads} threads ({hw.cpu_adam_threads} now), "
+            if threads > hw.cpu_adam_threads
+            else ""
+        )
+        why = (
+            f"the CPU step ({t.cpu_adam:.3g} s) is longer than forward + backward ({t.compute:.3g} s), so the "
+            f"GPU waits on every step; {more}offload a smaller ratio, or raise the batch (compute grows with "
+            "it, the CPU step does not)"
+        )
+        advice.append(Advice("warning", "cpu-step-dominates", why))
+    if offloads:  # mistake 2: forgetting pin_memory
+        if hw.pageable_link_gb_per_s:
+            why = (
+                f"pinned copies ran {hw.link_gb_per_s / hw.pageable_link_gb_per_s:.1f}x faster than pageable "
+                f"ones here ({hw.link_gb_per_s:.3g} against {hw.pageable_link_gb_per_s:.3g} GB/s)"
+            )
+        else:
+            why = (
+                "pageable copies go through the driver's bounce buffer and block the host (measure the gain "
+                "with `zo plan --calibrate` on the GPU host)"
+            )
+        advice.append(
+            Advice("info", "pin-memory", f'set "pin_memory": true: {why}; only pinned copies overlap')
+        )
+        if chosen.host_bytes > PIN_WARN_FRACTION * hw.host_memory:
+            why = (
+                f"pinning {gb(chosen.host_bytes)} of {gb(hw.host_memory)} of host memory leaves little for "
+                "anything else, and may fail: check `ulimit -l` and the container's memory limit"
+            )
+            advice.append(Advice("warning", "pin-memory-limit", why))
+    lighter = [p for p in plans if p.offload == "optimizer" and p.fits]
+    if chosen.offload == "optimizer+param" and lighter:  # mistake 3: stage 3 and every offload, stacked
+        best = min(lighter, key=lambda p: p.pcie_bytes)
+        why = (
+            f"offload_param sends the weights over PCIe for every gather: {gb(chosen.pcie_bytes)} a step per "
+            f"GPU against {gb(best.pcie_bytes)} for {best.label}, which fits already"
+        )
+        advice.append(Advice("warning", "offload-param-not-needed", why))
+    stage2 = [p for p in plans if p.stage == 2 and p.offload == chosen.offload and p.fits]
+    if chosen.stage == 3 and hw.gpus > 1 and stage2:
+        why = (
+            "stage 3 gathers the weights in forward and again in backward, 1.5x the GPU-to-GPU traffic of "
+            f"stage 2, which fits as well ({gb(stage2[0].device_bytes)} per GPU)"
+        )
+        advice.append(Advice("info", "stage3-traffic", why))
+    if offloads:  # mistake 4: not reserving host memory
+        per_param = chosen.host_bytes / wl.params
+        of_states = hw.gpus * chosen.states.host / wl.params
+        why = (
+            f"host memory: {gb(chosen.host_bytes)} = {per_param:.1f} bytes a parameter ({of_states:.1f} of "
+            f"model states + {per_param - of_states:.1f} of staging buffers) of {gb(chosen.host_usable)} "
+            f"usable ({gb(hw.host_memory)} less {HOST_RESERVE:.0%} for the system)"
+        )
+        advice.append(
+            Advice("info" if chosen.host_bytes <= chosen.host_usable else "error", "host-memory", why)
+        )
+    return advice
+
+
+def smallest_ratio(hw: Hardware, wl: Workload, stage: int) -> float | None:
+    """The smallest offload_optimizer.ratio, in 5% steps, whose device memory fits; None if even 1.0 does not.
+
+    The less the host takes, the less the CPU works: the device keeps what it has room for.
+    """
+    for step in range(1, round(1 / RATIO_STEP) + 1):
+        ratio = round(step * RATIO_STEP, 2)
+        candidate = plan(hw, wl, stage, "optimizer", ratio)
+        if candidate.device_bytes <= candidate.device_usable:
+            return ratio
+    return None
+
+
+@dataclass
+class Recommendation:
+    plan: Plan | None  # None: nothing fits
+    workload: Workload  # with recompute switched on where only that makes it fit
+    config: dict  # the zero_optimization section (and our own keys) to put in the JSON config
+    reasons: list[str]
+    advice: list[Advice]
+
+
+def _rank(p: Plan) -> tuple:
+    # Fastest first; among equals the one that leaves the most device memory (for a larger batch), then
+    # stage 2, the stage ZeRO-Offload was built on, then the lower stage.
+    return (float(f"{p.time.serial:.3g}"), p.device_bytes, p.stage != 2, p.stage)
+
+
+def recommend(hw: Hardware, wl: Workload) -> Recommendation:
+    """The fastest configuration that fits, with a partial offload ratio where part of the optimizer fits."""
+    plans = plan_all(hw, wl)
+    candidates = [p for p in plans if p.fits and p.offload != "optimizer"]
+    for stage in (1, 2, 3):
+        ratio = smallest_ratio(hw, wl, stage)
+        if ratio is not None and plan(hw, wl, stage, "optimizer", ratio).fits:
+            candidates.append(plan(hw, wl, stage, "optimizer", ratio))
+    if not candidates:
+        retry = recommend(hw, replace(wl, recompute=True)) if not wl.recompute else None
+        if retry is not None and retry.plan is not None:
+            retry.reasons.insert(
+                0,
+                f"activations of batch {wl.batch} x {wl.seq_len} tokens take "
+                f"{gb(wl.activation_bytes())} per GPU: nothing fits without activation "
+                f"checkpointing, which keeps {gb(retry.workload.activation_bytes())}",
+            )
+            return retry
+        least = min(plans, key=lambda p: p.device_bytes)
+        why = (
+            f"nothing fits: the least device memory is {gb(least.device_bytes)} ({least.label}) of "
+            f"{gb(least.device_usable)} usable per GPU, host {gb(least.host_bytes)} of {gb(least.host_usable)};"
+            " use more GPUs, a smaller batch, or the NVMe tier (module 5)"
+        )
+        return Recommendation(None, wl, {}, [why], [])
+    best = min(candidates, key=_rank)
+    reasons = [
+        f"{best.label}: device {gb(best.device_bytes)} of {gb(best.device_usable)} usable per GPU, host "
+        f"{gb(best.host_bytes)} of {gb(best.host_usable)}; predicted {best.time.serial:.3g} s a step "
+        f"serial, {best.time.overlapped:.3g} s overlapped (bottleneck: {best.time.bottleneck})"
+    ]
+    zero: dict = {"stage": best.stage}
+    config: dict = {"zero_optimization": zero}
+    if best.offload != "none":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if best.ratio < 1:
+            zero["offload_optimizer"]["ratio"] = best.ratio
+            reasons.append(
+                f"ratio {best.ratio:g}: the device has room for the optimizer of "
+                f"{1 - best.ratio:.0%} of the parameters; the CPU steps only the rest"
+            )
+        if best.offload == "optimizer+param":
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        threads = max(1, hw.cpu_cores // hw.gpus)
+        config["zero_offload"] = {"cpu_adam": {"impl": "simd", "threads": threads}}
+        reasons.append(f"CPU Adam threads: {threads} per rank ({hw.cpu_cores} cores, {hw.gpus} rank(s))")
+    if wl.recompute:
+        config["activation_checkpointing"] = {}
+    return Recommendation(best, wl, config, reasons, advise(hw, wl, best, plans))
+
+
+# -- what `zo plan` prints ----------------------------------------------------------------------------------
+def describe(hw: Hardware, wl: Workload) -> str:
+    hidden, layers = wl.shape()
+    recompute = ", activation checkpointing" if wl.recompute else ""
+    return (
+        f"{wl.params / 1e9:.3g}B parameters ({layers} layers x hidden {hidden}), {wl.precision}, batch "
+        f"{wl.batch} x {wl.seq_len} tokens per GPU{recompute}\n"
+        f"{hw.name}: {hw.gpus} GPU(s) of {gb(hw.gpu_memory)}, {hw.gpu_tflops:.4g} TFLOP/s x {hw.mfu:.0%} "
+        f"MFU; host {gb(hw.host_memory)}, {hw.cpu_cores} cores; PCIe {hw.link_gb_per_s:.3g} GB/s; CPU Adam "
+        f"{hw.cpu_adam_params_per_s / 1e9:.3g} Gparam/s ({hw.cpu_adam_threads} thread(s) a rank)"
+    )
+
+
+def format_plans(plans: list[Plan]) -> str:
+    """One row per configuration: bytes per GPU and for the whole host, fit, predicted step time."""
+    rows = [
+        f"{'configuration':<36}{'device':>10}{'host':>10}  {'fits':<15}{'serial s':>9}{'overlap s':>10}"
+        f"  {'bottleneck':<11}{'PCIe/step':>10}"
+    ]
+    rows.append("-" * len(rows[0]))
+    for p in plans:
+        short = [
+            tier
+            for tier, over in (
+                ("device", p.device_bytes > p.device_usable),
+                ("host", p.host_bytes > p.host_usable),
+            )
+            if over
+        ]
+        fits = "no: " + "+".join(short) if short else "yes"
+        rows.append(
+            f"{p.label:<36}{gb(p.device_bytes):>10}{gb(p.host_bytes):>10}  {fits:<15}"
+            f"{p.time.serial:>9.3g}{p.time.overlapped:>10.3g}  {p.time.bottleneck:<11}{gb(p.pcie_bytes):>10}"
+        )
+    rows.append(
+        "device: model states + activations + buckets, per GPU; host: model states + staging, all ranks"
+    )
+    rows.append(
+        "time: compute 6 x params x tokens FLOPs (8 with recomputation) + Adam + copies; serial adds "
+        "them up, overlap is the busiest resource alone"
+    )
+    rows.append("stage 0 cannot offload (offloading partitions the optimizer); offload_param needs stage 3")
+    return "\n".join(rows)
+
+
+def format_recommendation(rec: Recommendation) -> str:
+    if rec.plan is None:
+        return "\n".join(["Recommendation: none fits.", *(f"  - {r}" for r in rec.reasons)])
+    lines = [f"Recommendation: {rec.plan.label}", *(f"  - {r}" for r in rec.reasons)]
+    lines += [f"  {a.level}: [{a.rule}] {a.message}" for a in rec.advice]
+    lines += ["Config (DeepSpeed JSON, with zero_offload's own keys):", json.dumps(rec.config, indent=2)]
+    return "\n".join(lines)
+
+
+# -- what `zo plan --plot` draws: compute grows with the batch, the CPU step and the copies do not ----------
+PLOTTED = ((0, "none"), (2, "none"), (2, "optimizer"), (3, "optimizer+param"))
+
+
+def _plot(path, xs, evaluate, *, xlabel: str, title: str) -> Path:
+    from .. import plots  # its matplotlib set-up (the Agg backend) and its _save
+
+    fig, ax = plots.plt.subplots(figsize=(6.8, 4.2))
+    for stage, offload in PLOTTED:
+        chosen = [evaluate(x, stage, offload) for x in xs]  # a configuration that does not fit is not drawn
+        serial = [p.time.serial if p.fits else math.nan for p in chosen]
+        overlapped = [p.time.overlapped if p.fits else math.nan for p in chosen]
+        line = ax.plot(xs, serial, marker="o", markersize=3, label=f"{chosen[0].label}, serial")[0]
+        ax.plot(
+            xs, overlapped, linestyle="--", color=line.get_color(), label=f"{chosen[0].label}, overlapped"
+        )
+    ax.set(xscale="log", xlabel=xlabel, ylabel="predicted step time (s)", title=title)
+    ax.set_xticks(xs, [f"{x:g}" for x in xs])
+    ax.minorticks_off()
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, title="drawn only where it fits", title_fontsize=7)
+    return plots._save(fig, path)
+
+
+def save_plots(
+    hw: Hardware, wl: Workload, out_dir, batches=(1, 2, 4, 8, 16, 32, 64), links=(4, 8, 16, 32, 64, 128)
+) -> list[Path]:
+    """Predicted step time against the batch size and against the link bandwidth (only where it fits)."""
+    out, size = Path(out_dir), f"{wl.params / 1e9:.3g}B params on {hw.gpus} x {gb(hw.gpu_memory)}"
+    return [
+        _plot(
+            out / "step_time_vs_batch.png",
+            list(batches),
+            lambda b, s, o: plan(hw, replace(wl, batch=b), s, o),
+            xlabel="micro-batch per GPU (sequences)",
+            title=f"{size}: batch",
+        ),
+        _plot(
+            out / "step_time_vs_link.png",
+            list(links),
+            lambda g, s, o: plan(replace(hw, link_gb_per_s=g), wl, s, o),
+            xlabel="device-host link bandwidth (GB/s)",
+            title=f"{size}, batch {wl.batch}: link",
+        ),
+    ]

@@ -1,0 +1,307 @@
+"""Probes: measure what the performance model (perfmodel.py) needs to know about this machine.
+
+Four numbers decide how fast ZeRO-Offload trains ("GPU computes, CPU stores, PCIe moves"):
+
+  host_copy_bandwidth()    how fast host memory copies (the CPU Adam is bound by memory, not arithmetic);
+  device_link_bandwidth()  how fast the device<->host link (PCIe) moves bytes, from pinned and from pageable
+                           memory (CUDA only);
+  cpu_adam_profile()       how many parameters a second our C Adam updates, and what each call costs;
+  matmul_tflops()          how fast the device multiplies matrices (the compute of forward and backward).
+
+Each probe returns plain numbers (a small dataclass) and takes a second or less at its default size, less at
+the small sizes tests use. Every timing is the median of several repeats: one slow repeat (another process,
+a page fault) does not move a median.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .build import CompilerNotFound, build
+from .cpu_adam import adam_update, default_threads
+
+# Gradient dtype in, weight dtype out (None: none written) of the CPU Adam forms the engine runs.
+ADAM_FORMS = {
+    "fp32": (torch.float32, None),  # fp32 training: the master weights are the weights
+    "fp16": (torch.float16, torch.float16),  # the one pass: fp16 gradients in, fp16 weights out
+    "mixed": (torch.float32, torch.float16),  # the offloaded fp16 step: fp32 gradient partition in, fp16 out
+}
+# The engine's offloaded step for each training precision (the host keeps its gradient partition in fp32).
+ENGINE_FORM = {"fp32": "fp32", "fp16": "mixed", "bf16": "mixed"}
+# The CPU step follows backward, which has pushed the optimizer states out of the caches. A probe that
+# updates the same buffer again and again would find them cached and overstate the speed of small models,
+# so before each timed update we read a buffer larger than any last-level cache. Read, not write: written
+# lines would still be waiting in the cache, and writing them back would slow the timed update instead.
+FLUSH_BYTES = 128 * 2**20
+
+
+def median_seconds(
+    fn: Callable[[], object], repeats: int = 5, *, warmup: int = 1, before: Callable[[], object] | None = None
+) -> float:
+    """Median wall time of `fn()` over `repeats` runs; `before()` runs untimed ahead of each one."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _cache_flusher() -> Callable[[], object]:
+    buffer = torch.ones(FLUSH_BYTES // 4)
+    return lambda: buffer.sum()
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """`nbytes` copied in `seconds` (median). A copy reads and writes each byte: memory traffic is twice this."""
+
+    nbytes: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.nbytes / self.seconds / 1e9
+
+
+def host_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5, device="cpu") -> Bandwidth:
+    """Host memory: one torch copy between two buffers of `nbytes` (use more than the last-level cache).
+
+    With a CUDA `device` the same copy measures the GPU's own memory (HBM) instead.
+    """
+    device = torch.device(device)
+    source = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def copy():
+        target.copy_(source)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return Bandwidth(nbytes, median_seconds(copy, repeats))
+
+
+@dataclass(frozen=True)
+class LinkBandwidth:
+    """Device<->host copies in GB/s, from page-locked (pinned) and from ordinary (pageable) host memory."""
+
+    h2d_pinned: float
+    h2d_pageable: float
+    d2h_pinned: float
+    d2h_pageable: float
+
+    @property
+    def pinned(self) -> float:
+        """The slower direction: ZeRO-Offload sends as many bytes down (gradients) as up (weights)."""
+        return min(self.h2d_pinned, self.d2h_pinned)
+
+    @property
+    def pageable(self) -> float:
+        return min(self.h2d_pageable, self.d2h_pageable)
+
+    @property
+    def pinned_speedup(self) -> float:
+        return self.pinned / self.pageable
+
+
+def device_link_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5, device=None) -> LinkBandwidth:
+    """PCIe (or NVLink-C2C) bandwidth of a CUDA device in each direction, pinned against pageable.
+
+    A pageable copy goes through a pinned bounce buffer the driver keeps, one chunk at a time, and blocks the
+    host; a pinned copy is one DMA transfer. Raises RuntimeError where there is no CUDA device.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "device_link_bandwidth needs a CUDA device and torch sees none; on the emulated device a "
+            "'transfer' is a host memory copy: use host_copy_bandwidth()"
+        )
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    results = {}
+    for pin in (True, False):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        kind = "pinned" if pin else "pageable"
+        for name, dst, src in (("h2d", on_device, host), ("d2h", host, on_device)):
+
+            def copy(dst=dst, src=src, pin=pin):
+                dst.copy_(src, non_blocking=pin)
+                torch.cuda.synchronize(device)  # count the whole transfer, not only its launch
+
+            results[f"{name}_{kind}"] = Bandwidth(nbytes, median_seconds(copy, repeats)).gb_per_s
+    return LinkBandwidth(**results)
+
+
+@dataclass(frozen=True)
+class AdamProfile:
+    """The CPU Adam's cost on this machine: seconds = step + calls * call + params / params_per_s."""
+
+    impl: str  # "C SIMD" or "torch fused" (where no C compiler exists)
+    form: str  # a key of ADAM_FORMS
+    threads: int
+    params_per_s: float
+    call_seconds: float  # Python, argument checks, thread start-up: paid once per tensor updated
+    step_seconds: float  # paid once per step: the first touches of memory whose caches were emptied
+    note: str = ""
+
+    def seconds(self, params: float, calls: int = 1) -> float:
+        return self.step_seconds + calls * self.call_seconds + params / self.params_per_s
+
+
+def _adam_buffers(total: int, form: str) -> list[torch.Tensor]:
+    """Flat weight, gradient, m, v (and output) buffers of `total` elements, at uneven distances in one allocation.
+
+    Equal buffers allocated one after another sit at one fixed, round distance; the streams of an update then
+    fall into the same cache sets and DRAM banks and run slower (by about 15% on the course's machine) than the
+    engine's buffers, which lie wherever the allocator put them among others.
+    """
+    grad_dtype, out_dtype = ADAM_FORMS[form]
+    dtypes = [torch.float32, grad_dtype, torch.float32, torch.float32] + ([out_dtype] if out_dtype else [])
+    gap = 7 * 4096 + 192  # bytes: neither a whole page nor a power of two
+    sizes = [total * torch.empty((), dtype=dtype).element_size() for dtype in dtypes]
+    arena = torch.empty(sum(sizes) + gap * len(sizes) + 64, dtype=torch.uint8)
+    start, buffers = (-arena.data_ptr()) % 64, []
+    for size, dtype in zip(sizes, dtypes, strict=True):
+        buffers.append(arena[start : start + size].view(dtype).zero_())
+        start += size + gap
+    buffers[1].fill_(0.01)  # the values do not change the speed of a pass bound by memory
+    return buffers
+
+
+def _c_adam_pass(flat: list[torch.Tensor], pieces: int, numel: int, threads: int) -> Callable[[], None]:
+    """One Adam step over `pieces` tensors of `numel` elements each: views of flat buffers, as the engine's.
+
+    Per tensor it does what an optimizer does around the kernel: look up the tensor's state and count its
+    step in a 0-dim tensor (torch.optim's convention); that bookkeeping is part of the cost of a call.
+    """
+    views = [[buffer[i * numel : (i + 1) * numel] for buffer in flat] for i in range(pieces)]
+    state = {view[0]: {"step": torch.zeros(())} for view in views}
+
+    def run():
+        for param, grad, exp_avg, exp_avg_sq, *out in views:
+            counter = state[param]
+            counter["step"] += 1
+            adam_update(param, grad, exp_avg, exp_avg_sq, step=int(counter["step"]), lr=1e-3,
+                        out=out[0] if out else None, threads=threads)  # fmt: skip
+
+    return run
+
+
+def _torch_adam_pass(pieces: int, numel: int) -> Callable[[], None]:
+    params = [torch.zeros(numel, requires_grad=True) for _ in range(pieces)]
+    for param in params:
+        param.grad = torch.full((numel,), 0.01)
+    return torch.optim.Adam(params, lr=1e-3, fused=True).step  # on torch's threads: see cpu_adam_profile
+
+
+def cpu_adam_profile(
+    *,
+    threads: int | None = None,
+    form: str = "fp32",
+    numel: int = 4_000_000,
+    repeats: int = 5,
+    impl: str = "auto",
+) -> AdamProfile:
+    """Measure the CPU Adam as the engine runs it: caches cold, one call per tensor.
+
+    Three unknowns, three passes, each after the caches were emptied: `numel` elements as 4 tensors, the
+    same elements as 64 tensors, and twice the elements as 4 tensors. The 60 extra calls cost the second
+    pass's extra time: each call's Python path (argument checks, cffi, starting threads) runs after the
+    previous tensor's stream has emptied the caches, as between the engine's units. The extra elements of the
+    third pass give the throughput. What the first pass took beyond its calls and its elements is paid once
+    a step. `impl` "auto" is our C kernel, or torch's fused Adam where no C compiler exists (then `note`
+    says so); "torch" measures torch's fused Adam on purpose.
+    """
+    if form not in ADAM_FORMS:
+        raise ValueError(f"form must be one of {', '.join(ADAM_FORMS)}; got {form!r}")
+    threads = threads or default_threads()
+    if impl not in ("auto", "torch"):
+        raise ValueError(f"impl must be 'auto' or 'torch'; got {impl!r}")
+    name, note = "C SIMD", ""
+    if impl == "auto":
+        try:
+            build()
+        except CompilerNotFound as err:
+            note = f"measured torch.optim.Adam(fused=True) instead of the C kernel: {err}"
+    if impl == "torch" or note:
+        name = "torch fused"
+        if form != "fp32":
+            form, why = "fp32", "torch's fused Adam reads fp32 gradients only: form fp32 measured"
+            note = f"{note}; {why}" if note else why
+    previous_threads = torch.get_num_threads()
+    # The same elements as 4 tensors and as 64, and twice as many as 4 tensors.
+    shapes = {"few": (4, numel // 4), "many": (64, numel // 64), "double": (4, numel // 2)}
+    try:
+        if name == "torch fused":
+            # Set once, not per step: re-sizing torch's thread pool takes milliseconds.
+            torch.set_num_threads(threads)
+            passes = {key: _torch_adam_pass(pieces, size) for key, (pieces, size) in shapes.items()}
+        else:
+            flat = _adam_buffers(4 * (numel // 2), form)  # shared by the three passes
+            passes = {
+                key: _c_adam_pass(flat, pieces, size, threads) for key, (pieces, size) in shapes.items()
+            }
+        times = {key: [] for key in passes}
+        flush = _cache_flusher()
+        for run in passes.values():
+            run()  # warm-up: first touches of the buffers
+        for _ in range(repeats):  # interleaved, so that a burst of noise from elsewhere hits all alike
+            for key, run in passes.items():
+                flush()
+                started = time.perf_counter()
+                run()
+                times[key].append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(previous_threads)
+    few, many, double = (statistics.median(times[key]) for key in shapes)
+    call = max(0.0, (many - few) / 60)
+    # Doubling the elements must add time; if noise says otherwise, charge the whole first pass to them.
+    params_per_s = numel / (double - few) if double - few > few / 4 else numel / few
+    step = max(0.0, few - 4 * call - numel / params_per_s)
+    return AdamProfile(name, form, threads, params_per_s, call, step, note)
+
+
+def cpu_adam_sweep(
+    max_threads: int | None = None,
+    *,
+    forms: tuple[str, ...] = ("fp32", "fp16"),
+    numel: int = 4_000_000,
+    repeats: int = 5,
+    with_torch: bool = True,
+) -> list[AdamProfile]:
+    """The C Adam's throughput against its thread count 1..max_threads, per form, and torch's fused Adam.
+
+    Memory bandwidth, not cores, bounds a one-pass Adam: throughput rises with threads until the threads
+    together saturate the memory channels, then stays flat.
+    """
+    max_threads = max_threads or default_threads()
+    profiles = []
+    for threads in range(1, max_threads + 1):
+        for form in forms:
+            profiles.append(cpu_adam_profile(threads=threads, form=form, numel=numel, repeats=repeats))
+        if with_torch:
+            profiles.append(cpu_adam_profile(threads=threads, numel=numel, repeats=repeats, impl="torch"))
+    return profiles
+
+
+def matmul_tflops(device=None, dtype: torch.dtype | None = None, size: int = 1024, repeats: int = 5) -> float:
+    """Dense matmul speed in TFLOP/s (2 n^3 FLOPs per n x n product): fp16 on CUDA, fp32 on the CPU."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def product():
+        torch.mm(a, b)
+        sync()
+
+    return 2 * size**3 / median_seconds(product, repeats) / 1e12

@@ -1,0 +1,298 @@
+"""The performance model, its advisor and `zo plan` (module 4): memory, fit, step time, rules, and a prediction
+checked against the engine's own measured CPU step."""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+import zero_offload as zo
+from zero_offload.accelerator import EmulatedAccelerator
+from zero_offload.basics.memory import estimate_model_states
+from zero_offload.cli import main
+from zero_offload.tuning.advisor import advise, recommend, smallest_ratio
+from zero_offload.tuning.partial import estimate_partial_offload
+from zero_offload.tuning.perfmodel import PRESETS, Workload, calibrate, hardware_preset, plan, plan_all
+
+B = 10**9
+ONE_A100 = replace(PRESETS["a100-80g"], gpus=1, gpu_memory=80 * B, host_memory=256 * B)
+THIRTEEN_B = Workload(13 * B)
+
+
+def _rules(hw, wl, stage, offload):
+    return {a.rule: a for a in advise(hw, wl, plan(hw, wl, stage, offload), plan_all(hw, wl))}
+
+
+# -- memory: the model reuses the estimator, and the introduction's 13B example --------------------------------
+@pytest.mark.parametrize("gpus", [1, 4])
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_bytes_per_tier_are_estimate_model_states(gpus, precision):
+    hw, wl = replace(ONE_A100, gpus=gpus), Workload(3 * B, precision=precision)
+    for p in plan_all(hw, wl):
+        expected = estimate_model_states(wl.params, stage=p.stage, world_size=gpus, precision=precision,
+                                         offload_optimizer="cpu" if p.ratio else "none",
+                                         offload_param="cpu" if p.offload == "optimizer+param" else "none")  # fmt: skip
+        assert p.states.bytes == expected.bytes, p.label
+        assert p.device_bytes == expected.device + p.activations + p.buffers
+    partial = plan(hw, wl, 2, "optimizer", 0.4)
+    expected = estimate_partial_offload(
+        wl.params, stage=2, world_size=gpus, precision=precision, host_fraction=0.4
+    )
+    assert partial.states.bytes == expected.bytes
+
+
+def test_13b_on_one_80gb_gpu():
+    plans = {(p.stage, p.offload): p for p in plan_all(ONE_A100, THIRTEEN_B)}
+    for stage in (0, 1, 2, 3):  # 16 bytes a parameter of model states: 208 GB, on the device
+        assert plans[stage, "none"].device_bytes > plans[stage, "none"].device_usable
+    offloaded = plans[2, "optimizer"]
+    assert offloaded.states.device == 2 * 13 * B  # only the fp16 weights stay: 26 GB
+    assert offloaded.device_bytes == 26 * B + offloaded.activations + offloaded.buffers
+    assert offloaded.device_bytes <= offloaded.device_usable  # ... which fits in 80 GB
+    assert offloaded.states.host == 16 * 13 * B  # fp32 gradient, master, m, v: 208 GB
+    assert offloaded.host_bytes == 20 * 13 * B  # and the fp16 staging buffers: 20 bytes a parameter
+    assert not offloaded.fits  # ... which a 256 GB host (less 10%) cannot hold
+    assert offloaded.pcie_bytes == 4 * 13 * B  # fp16 gradients down, fp16 weights up
+    assert plans[3, "optimizer+param"].pcie_bytes == 6 * 13 * B  # the weights go up for forward and backward
+    rec = recommend(ONE_A100, THIRTEEN_B)  # so part of the optimizer stays on the device
+    assert rec.plan.label == "stage 2 + optimizer offload (ratio 0.8)" and rec.plan.fits
+    assert rec.config["zero_optimization"]["offload_optimizer"] == {
+        "device": "cpu",
+        "pin_memory": True,
+        "ratio": 0.8,
+    }
+    assert smallest_ratio(ONE_A100, THIRTEEN_B, 2) == 0.8
+    assert plan(ONE_A100, THIRTEEN_B, 2, "optimizer", 0.75).device_bytes > ONE_A100.gpu_memory * 0.92
+
+
+def test_what_fits_is_recommended_without_offload_and_nothing_fitting_says_so():
+    rec = recommend(ONE_A100, Workload(B))
+    assert rec.plan.offload == "none" and "offload_optimizer" not in rec.config["zero_optimization"]
+    eight = recommend(replace(ONE_A100, gpus=8, host_memory=2048 * B), Workload(7 * B))
+    assert eight.plan.label == "stage 2"  # as fast as stage 1 on 8 GPUs, and the least memory
+    rec = recommend(ONE_A100, Workload(1000 * B))
+    assert rec.plan is None and rec.reasons[0].startswith("nothing fits")
+
+
+def test_activation_checkpointing_is_recommended_when_only_it_makes_the_batch_fit():
+    wl = Workload(13 * B, batch=8)
+    assert not any(p.fits for p in plan_all(ONE_A100, wl))
+    rec = recommend(ONE_A100, wl)
+    assert rec.workload.recompute and "activation_checkpointing" in rec.config
+    assert "activation checkpointing" in rec.reasons[0]
+
+
+# -- time: the formulas, and which way they move ---------------------------------------------------------------
+def test_compute_is_6_flops_per_parameter_and_token():
+    wl = Workload(2 * B, batch=4, seq_len=512)
+    peak = ONE_A100.gpu_tflops * 1e12 * ONE_A100.mfu
+    assert plan(ONE_A100, wl, 0).time.compute == pytest.approx(6 * 2 * B * 4 * 512 / peak)
+    assert plan(ONE_A100, replace(wl, recompute=True), 0).time.compute == pytest.approx(
+        8 * 2 * B * 4 * 512 / peak
+    )
+
+
+def test_the_cpu_step_is_calls_plus_parameters_at_the_throughput():
+    hw = replace(ONE_A100, cpu_adam_params_per_s=1e9, cpu_adam_call_seconds=1e-4)
+    assert plan(hw, Workload(B, units=50), 2, "optimizer").time.cpu_adam == pytest.approx(50e-4 + 1.0)
+    assert plan(hw, Workload(B, units=50), 2, "optimizer", 0.5).time.cpu_adam == pytest.approx(25e-4 + 0.5)
+    assert plan(hw, Workload(B), 2).time.cpu_adam == 0
+
+
+def test_step_time_grows_with_parameters_and_falls_with_link_bandwidth():
+    for stage, offload in [(p.stage, p.offload) for p in plan_all(ONE_A100, THIRTEEN_B)]:
+        by_size = [
+            plan(ONE_A100, Workload(n), stage, offload).time.serial for n in (10**8, B, 10 * B, 100 * B)
+        ]
+        assert by_size == sorted(by_size) and by_size[0] < by_size[-1], (stage, offload)
+        by_link = [plan(replace(ONE_A100, link_gb_per_s=g), THIRTEEN_B, stage, offload).time.serial
+                   for g in (4, 8, 16, 32, 64)]  # fmt: skip
+        if offload == "none":
+            assert len(set(by_link)) == 1
+        else:
+            assert by_link == sorted(by_link, reverse=True) and by_link[0] > by_link[-1], (stage, offload)
+
+
+def test_impossible_choices_are_errors_that_name_the_fix():
+    with pytest.raises(ValueError, match="stage 3"):
+        plan(ONE_A100, THIRTEEN_B, 2, "optimizer+param")
+    with pytest.raises(ValueError, match="stage >= 1"):
+        plan(ONE_A100, THIRTEEN_B, 0, "optimizer")
+    with pytest.raises(ValueError, match="keep ratio 1"):
+        plan(ONE_A100, THIRTEEN_B, 3, "optimizer+param", 0.5)
+    with pytest.raises(ValueError, match="at least 1 GPU"):
+        plan(replace(ONE_A100, gpus=0), THIRTEEN_B, 2)
+    with pytest.raises(ValueError, match="v100-32g, a100-80g, h200, this-cpu"):
+        hardware_preset("tpu")
+    with pytest.raises(ValueError, match="fp16, bf16, fp32"):
+        Workload(B, precision="fp8")
+
+
+# -- the introduction's table of mistakes, as rules that fire on crafted inputs and not otherwise --------------
+def test_offload_not_needed_fires_only_when_the_model_fits_on_the_device():
+    assert "offload-not-needed" in _rules(ONE_A100, Workload(B), 2, "optimizer")
+    assert "offload-not-needed" not in _rules(
+        replace(ONE_A100, host_memory=512 * B), THIRTEEN_B, 2, "optimizer"
+    )
+
+
+def test_cpu_step_dominates_fires_only_when_the_cpu_is_slower_than_compute():
+    slow, fast = (replace(ONE_A100, cpu_adam_params_per_s=rate) for rate in (1e8, 1e12))
+    assert "cpu-step-dominates" in _rules(slow, Workload(B), 2, "optimizer")
+    assert "cpu-step-dominates" not in _rules(fast, Workload(B), 2, "optimizer")
+
+
+def test_pin_memory_quotes_the_measured_ratio_when_there_is_one():
+    measured = replace(ONE_A100, pageable_link_gb_per_s=ONE_A100.link_gb_per_s / 3)
+    assert "3.0x faster" in _rules(measured, THIRTEEN_B, 2, "optimizer")["pin-memory"].message
+    assert "measure the gain" in _rules(ONE_A100, THIRTEEN_B, 2, "optimizer")["pin-memory"].message
+    assert "pin-memory" not in _rules(ONE_A100, THIRTEEN_B, 0, "none")
+    assert "pin-memory-limit" in _rules(ONE_A100, THIRTEEN_B, 2, "optimizer")  # 260 of 256 GB pinned
+    assert "pin-memory-limit" not in _rules(
+        replace(ONE_A100, host_memory=2048 * B), THIRTEEN_B, 2, "optimizer"
+    )
+
+
+def test_offload_param_is_flagged_where_stage_2_with_optimizer_offload_fits():
+    roomy = replace(ONE_A100, host_memory=512 * B)
+    rule = _rules(roomy, THIRTEEN_B, 3, "optimizer+param")["offload-param-not-needed"]
+    assert "78.0 GB a step" in rule.message and "52.0 GB" in rule.message
+    small_gpu = replace(roomy, gpu_memory=20 * B)  # here only offload_param fits
+    assert plan(small_gpu, THIRTEEN_B, 3, "optimizer+param").fits
+    assert "offload-param-not-needed" not in _rules(small_gpu, THIRTEEN_B, 3, "optimizer+param")
+    eight = replace(roomy, gpus=8, host_memory=2048 * B)
+    assert "stage3-traffic" in _rules(eight, THIRTEEN_B, 3, "none")
+    assert "stage3-traffic" not in _rules(roomy, THIRTEEN_B, 3, "optimizer")
+
+
+@pytest.mark.parametrize(
+    "precision, offload", [("fp16", "optimizer"), ("fp32", "optimizer"), ("fp16", "optimizer+param")]
+)
+def test_host_memory_is_computed_per_parameter(precision, offload):
+    wl = Workload(13 * B, precision=precision)
+    rule = _rules(ONE_A100, wl, 3, offload)["host-memory"]
+    assert "= 20.0 bytes a parameter" in rule.message and rule.level == "error"  # 260 GB on a 256 GB host
+    assert _rules(replace(ONE_A100, host_memory=512 * B), wl, 3, offload)["host-memory"].level == "info"
+
+
+# -- calibration and the acceptance test: the predicted CPU step against the engine's measured one -------------
+HAS_COMPILER = any(shutil.which(cc) for cc in ("cc", "gcc", "clang"))
+
+
+def test_calibrate_describes_this_machine():
+    hw = calibrate(threads=1, precision="fp32", numel=1 << 20, repeats=2)
+    assert hw.name == "this-cpu" and hw.cpu_adam_threads == 1 and hw.cpu_adam_params_per_s > 1e6
+    assert hw.host_memory > 2**30 and hw.link_gb_per_s > 0 and hw.gpu_tflops > 0
+    based = calibrate(PRESETS["v100-32g"], threads=1, numel=1 << 20, repeats=2)
+    assert based.name == "v100-32g+calibrated" and based.host_memory == hw.host_memory
+    if not torch.cuda.is_available():
+        assert based.gpu_tflops == 125 and based.gpus == 8  # the device side is the preset's
+
+
+def _offload_engine(width: int, depth: int):
+    """ZeRO-2 with the optimizer offloaded, fp32, one rank, the C Adam with one thread: a stack of Linears."""
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+    config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+              "zero_offload": {"cpu_adam": {"impl": "simd", "threads": 1}}}  # fmt: skip
+    engine = zo.initialize(model, config, accelerator=EmulatedAccelerator())
+    x = torch.randn(4, width, generator=torch.Generator().manual_seed(0))
+
+    def steps(count: int) -> float:
+        for _ in range(count):
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+        return statistics.median(record["adam_seconds"] for record in engine.history[-count:])
+
+    steps(1)  # the first step pays for first touches of its buffers
+    return engine, steps
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Forward and backward on one core, as under xdist (conftest.py), whether or not xdist runs the tests."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the engine's C Adam cannot be built")
+def test_plan_predicts_the_engines_cpu_step_within_25_percent_after_calibration(one_torch_thread):
+    # One C thread and one torch thread: on a two-core machine more threads fight over the cores (torch's
+    # OpenMP workers spin for a while after each parallel op), and the test would time the fight.
+    # Noise on a shared machine comes in bursts, so each round calibrates and then times both engines at once,
+    # and the test compares medians of the rounds' ratios.
+    # Two sizes, both larger than the last-level cache (a model whose optimizer states stay cached between
+    # steps runs faster than any cold-cache model predicts), with many small and with few large tensors.
+    engines = {
+        "4.2M params in 16 tensors": _offload_engine(512, 16),
+        "16.8M params in 4 tensors": _offload_engine(2048, 4),
+    }
+    ratios = {name: [] for name in engines}
+    for _ in range(5):
+        hw = calibrate(threads=1, precision="fp32", repeats=3)
+        for name, (engine, steps) in engines.items():
+            wl = Workload(engine.num_params, precision="fp32", units=len(engine.states.units))
+            ratios[name].append(steps(3) / plan(hw, wl, 2, "optimizer").time.cpu_adam)
+    for name, measured_over_predicted in ratios.items():
+        assert 0.75 <= statistics.median(measured_over_predicted) <= 1.25, (name, measured_over_predicted)
+
+
+# -- `zo plan` ---------------------------------------------------------------------------------------------------
+ARGS_13B = ["plan", "--params", "13B", "--gpus", "1", "--gpu-memory", "80GB", "--host-memory", "256GB"]
+
+
+def test_zo_plan_prints_every_configuration_and_the_recommendation(capsys):
+    assert main(ARGS_13B) == 0
+    out = capsys.readouterr().out
+    for label in ("stage 0 ", "stage 1 + optimizer offload", "stage 3 + optimizer+param offload"):
+        assert label in out
+    assert "no: device" in out and "no: host" in out and "260.0 GB" in out
+    assert "Recommendation: stage 2 + optimizer offload (ratio 0.8)" in out and '"ratio": 0.8' in out
+    assert "[host-memory]" in out and "16.0 bytes a parameter" in out
+
+
+def test_zo_plan_checks_the_users_own_choice(capsys):
+    assert main(["plan", "--params", "1B", "--gpus", "1", "--stage", "2", "--offload", "optimizer"]) == 0
+    assert "Your choice, stage 2 + optimizer offload: fits" in capsys.readouterr().out
+    assert main([*ARGS_13B, "--stage", "2", "--offload", "optimizer+param"]) == 2
+    assert "needs ZeRO stage 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [(["--gpus", "0"], "--gpus must be at least 1 (--gpus 1 for a single GPU)"),
+     (["--batch", "0"], "--batch must be at least 1"), (["--link", "-3"], "--link must be more than 0"),
+     (["--mfu", "1.5"], "--mfu is a share")],
+)  # fmt: skip
+def test_zo_plan_rejects_bad_numbers_and_says_what_is_expected(capsys, extra, message):
+    assert main([*ARGS_13B, *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [(["--gpu-memory", "80XB"], "cannot read '80XB' as a byte size"),
+                                            (["--params", "lots"], "cannot read 'LOTS' as a parameter count")])  # fmt: skip
+def test_zo_plan_rejects_unreadable_sizes(capsys, extra, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*ARGS_13B, *extra])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_zo_plan_saves_plots_of_step_time(tmp_path, capsys):
+    assert main([*ARGS_13B, "--plot", str(tmp_path)]) == 0
+    for name in ("step_time_vs_batch.png", "step_time_vs_link.png"):
+        assert (tmp_path / name).stat().st_size > 10_000
+
+
+def test_zo_plan_calibrated_on_this_machine(capsys):
+    args = ["plan", "--params", "10M", "--preset", "this-cpu", "--threads", "1", "--precision", "fp32"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "this-cpu: 1 GPU(s)" in out or torch.cuda.is_available()
+    assert "Recommendation:" in out
