@@ -51,10 +51,14 @@ def test_bad_model_configs_are_rejected():
         gpt_config("huge")
 
 
-def test_corpus_is_the_course_text():
+def test_corpus_is_the_course_prose_without_its_quoted_output(tmp_path):
     corpus = load_corpus()
     assert corpus.dtype == torch.uint8 and len(corpus) > 10_000
     assert b"ZeRO" in bytes(corpus[:200_000].tolist())
+    (tmp_path / "course").mkdir()
+    chapter = "intro\n```\nloss 5.460 -> 3.493\n```\nprose, 12.5 ms\n```python\nx = 1\n```\nend\n"
+    (tmp_path / "course" / "01.md").write_text(chapter, encoding="utf-8")
+    assert bytes(load_corpus(tmp_path).tolist()) == b"intro\nprose, . ms\nend\n"
 
 
 def test_batches_are_deterministic_and_micro_batches_tile_the_global_batch():

@@ -7,6 +7,7 @@ Nothing is downloaded. The model's size is one config, from under a million para
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -129,16 +130,23 @@ def _repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
-def load_corpus(root: str | Path | None = None) -> torch.Tensor:
-    """All bytes of the course's Markdown chapters (course/*.md), as a uint8 tensor.
+_FENCED = re.compile(rb"^```.*?^```[^\n]*\n?", re.MULTILINE | re.DOTALL)
+_DIGITS = re.compile(rb"[0-9]")
 
-    Outside a clone of the repository (no course/ folder), the package's own Python sources stand in.
+
+def load_corpus(root: str | Path | None = None) -> torch.Tensor:
+    """The prose of the course's Markdown chapters (course/*.md), as a uint8 tensor.
+
+    Fenced blocks and digits are left out: the chapters quote what the lessons print and measure, and a corpus
+    that held those quotes would change the lessons' numbers each time a chapter quoted them anew. Outside a
+    clone of the repository (no course/ folder), the package's own Python sources stand in.
     """
     root = Path(root) if root is not None else _repo_root()
     files = sorted((root / "course").glob("*.md"))
-    if not files:
-        files = sorted(Path(__file__).resolve().parent.rglob("*.py"))
-    data = b"\n".join(f.read_bytes() for f in files)
+    if files:
+        data = b"\n".join(_DIGITS.sub(b"", _FENCED.sub(b"", f.read_bytes())) for f in files)
+    else:
+        data = b"\n".join(f.read_bytes() for f in sorted(Path(__file__).resolve().parent.rglob("*.py")))
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
