@@ -29,8 +29,9 @@ def test_median_seconds_runs_the_hook_before_every_timed_call():
 
 
 def test_host_copy_bandwidth_is_a_plausible_number():
-    result = bandwidth.host_copy_bandwidth(8 * 2**20, repeats=3)
-    assert result.nbytes == 8 * 2**20
+    before = torch.get_num_threads()
+    result = bandwidth.host_copy_bandwidth(8 * 2**20, repeats=3, threads=before + 1)
+    assert result.nbytes == 8 * 2**20 and torch.get_num_threads() == before
     assert 0.1 < result.gb_per_s < 10_000  # GB/s: from a slow laptop to HBM
 
 
@@ -60,6 +61,33 @@ def test_cpu_adam_profile_of_the_c_kernel(form):
     # the cost model the performance model uses: calls plus parameters at the throughput
     expected = profile.step_seconds + 3 * profile.call_seconds + 5e6 / profile.params_per_s
     assert profile.seconds(5e6, calls=3) == pytest.approx(expected)
+    # never faster than the memory floor timed at the same threads allows
+    assert 0.1 < profile.floor_gb_per_s < 10_000
+    assert profile.params_per_s <= profile.floor_gb_per_s * 1e9 / bandwidth.FORM_BYTES[form] * (1 + 1e-9)
+
+
+def test_the_fit_recovers_step_call_and_throughput():
+    numel, step, call, rate = 4_000_000, 2e-3, 50e-6, 4e8
+    few, many, double = (
+        step + calls * call + n / rate for calls, n in ((4, numel), (64, numel), (4, 2 * numel))
+    )
+    fitted = bandwidth.fit_adam_cost(numel, few, many, double, floor=numel / 8e8)
+    assert fitted == pytest.approx((rate, call, step))
+
+
+@pytest.mark.parametrize("form", ["fp32", "mixed"])
+def test_noise_cannot_make_the_fit_faster_than_the_memory_floor(form):
+    # The double pass hit by luck, the first one by a burst of noise: the difference says 4x the true speed.
+    numel, floor = 4_000_000, 4_000_000 / 5e8  # the floor moves 5e8 parameters' bytes a second
+    few, many, double = 10e-3, 10e-3 + 60 * 30e-6, 12.5e-3
+    rate, call, step = bandwidth.fit_adam_cost(numel, few, many, double, floor, form)
+    assert rate == pytest.approx(5e8 * bandwidth.FLOOR_BYTES / bandwidth.FORM_BYTES[form])
+    assert call == pytest.approx(30e-6) and step == pytest.approx(few - 4 * call - numel / rate)
+    # and no negative step cost: the elements take at most what the first pass left after its calls
+    rate, call, step = bandwidth.fit_adam_cost(numel, few, many, 40e-3, floor)
+    assert step == 0 and rate == pytest.approx(numel / (few - 4 * call))
+    rate, _, _ = bandwidth.fit_adam_cost(numel, few, many, few - 1e-3)  # no floor and a negative difference
+    assert rate == pytest.approx(numel / (few - 4 * call))
 
 
 def test_torch_fused_adam_for_reference():

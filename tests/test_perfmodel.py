@@ -15,7 +15,8 @@ import zero_offload as zo
 from zero_offload.accelerator import EmulatedAccelerator
 from zero_offload.basics.memory import estimate_model_states
 from zero_offload.cli import main
-from zero_offload.tuning.advisor import advise, recommend, smallest_ratio
+from zero_offload.tuning import bandwidth, hardware, perfmodel
+from zero_offload.tuning.advisor import advise, describe, recommend, smallest_ratio
 from zero_offload.tuning.partial import estimate_partial_offload
 from zero_offload.tuning.perfmodel import PRESETS, Workload, calibrate, hardware_preset, plan, plan_all
 
@@ -104,6 +105,31 @@ def test_the_cpu_step_is_calls_plus_parameters_at_the_throughput():
     assert plan(hw, Workload(B), 2).time.cpu_adam == 0
 
 
+def test_the_host_throughput_is_shared_by_its_ranks_and_reached_with_enough_threads():
+    a100 = PRESETS["a100-80g"]  # 8 ranks share 8.78 Gparam/s; one thread does 0.714
+    wl = Workload(8 * B, units=1)
+    per_rank = a100.cpu_adam_params_per_s / 8
+    assert plan(a100, wl, 2, "optimizer").time.cpu_adam == pytest.approx(30e-6 + B / per_rank)
+    one_thread = replace(a100, cpu_adam_threads=1)  # one thread falls short of the rank's share
+    assert plan(one_thread, wl, 2, "optimizer").time.cpu_adam == pytest.approx(
+        30e-6 + B / a100.cpu_adam_thread_params_per_s
+    )
+    # Threads to recommend: where the rank reaches its share, not every core the rank could have.
+    assert a100.cpu_adam_saturating_threads() == 2  # ceil(1.10 / 0.714)
+    assert ONE_A100.cpu_adam_saturating_threads() == 13  # one rank has the whole host: ceil(8.78 / 0.714)
+    assert replace(ONE_A100, cpu_cores=8).cpu_adam_saturating_threads() == 8  # never more than the cores
+    for hw in (a100, ONE_A100):
+        threads = hw.cpu_adam_saturating_threads()
+        assert hw.cpu_adam_rank_params_per_s(threads) == pytest.approx(hw.cpu_adam_params_per_s / hw.gpus)
+        assert hw.cpu_adam_rank_params_per_s(threads - 1) < hw.cpu_adam_rank_params_per_s(threads)
+    rec = recommend(ONE_A100, THIRTEEN_B)
+    assert rec.config["zero_offload"]["cpu_adam"]["threads"] == 13
+    assert any(
+        r.startswith("CPU Adam threads: 13 per rank") and "more would add nothing" in r for r in rec.reasons
+    )
+    assert "a rank with 16 thread(s) reaches 8.78" in describe(ONE_A100, THIRTEEN_B)
+
+
 def test_step_time_grows_with_parameters_and_falls_with_link_bandwidth():
     for stage, offload in [(p.stage, p.offload) for p in plan_all(ONE_A100, THIRTEEN_B)]:
         by_size = [
@@ -142,9 +168,15 @@ def test_offload_not_needed_fires_only_when_the_model_fits_on_the_device():
 
 
 def test_cpu_step_dominates_fires_only_when_the_cpu_is_slower_than_compute():
-    slow, fast = (replace(ONE_A100, cpu_adam_params_per_s=rate) for rate in (1e8, 1e12))
+    slow = replace(ONE_A100, cpu_adam_params_per_s=1e8)
+    fast = replace(ONE_A100, cpu_adam_params_per_s=1e12, cpu_adam_thread_params_per_s=1e11)
     assert "cpu-step-dominates" in _rules(slow, Workload(B), 2, "optimizer")
     assert "cpu-step-dominates" not in _rules(fast, Workload(B), 2, "optimizer")
+    # Too few threads: the advice names the saturation point (13 here), not cores / GPUs (128).
+    few_threads = replace(ONE_A100, cpu_adam_threads=2)
+    message = _rules(few_threads, THIRTEEN_B, 2, "optimizer")["cpu-step-dominates"].message
+    assert "give the CPU Adam 13 threads a rank (2 now: 1.43 against 8.78 Gparam/s)" in message
+    assert "threads a rank" not in _rules(ONE_A100, THIRTEEN_B, 2, "optimizer")["cpu-step-dominates"].message
 
 
 def test_pin_memory_quotes_the_measured_ratio_when_there_is_one():
@@ -167,7 +199,25 @@ def test_offload_param_is_flagged_where_stage_2_with_optimizer_offload_fits():
     assert "offload-param-not-needed" not in _rules(small_gpu, THIRTEEN_B, 3, "optimizer+param")
     eight = replace(roomy, gpus=8, host_memory=2048 * B)
     assert "stage3-traffic" in _rules(eight, THIRTEEN_B, 3, "none")
-    assert "stage3-traffic" not in _rules(roomy, THIRTEEN_B, 3, "optimizer")
+    assert "stage3-traffic" not in _rules(roomy, THIRTEEN_B, 3, "optimizer")  # one GPU: as fast as stage 2
+
+
+def test_stage3_with_every_offload_is_compared_with_stage2_and_optimizer_offload():
+    # The introduction's mistake: stage 3 and offload everywhere where stage 2 + optimizer offload fits.
+    for hw in (replace(ONE_A100, host_memory=512 * B), replace(ONE_A100, gpus=8, host_memory=2048 * B)):
+        chosen, stage2 = plan(hw, THIRTEEN_B, 3, "optimizer+param"), plan(hw, THIRTEEN_B, 2, "optimizer")
+        assert stage2.fits and stage2.time.serial < chosen.time.serial
+        rule = _rules(hw, THIRTEEN_B, 3, "optimizer+param")["stage3-traffic"]
+        assert rule.level == "warning" and "stage 2 + optimizer offload fits" in rule.message
+        assert (
+            f"predicted {stage2.time.serial:.3g} s a step against {chosen.time.serial:.3g} s" in rule.message
+        )
+        extra = (chosen.pcie_bytes - stage2.pcie_bytes) / B
+        assert (
+            extra == pytest.approx(2 * 13 / hw.gpus) and f"{extra:.1f} GB more a step per GPU" in rule.message
+        )
+    small_gpu = replace(ONE_A100, host_memory=512 * B, gpu_memory=20 * B)  # stage 2 + optimizer offload: no
+    assert "stage3-traffic" not in _rules(small_gpu, THIRTEEN_B, 3, "optimizer+param")
 
 
 @pytest.mark.parametrize(
@@ -187,11 +237,37 @@ HAS_COMPILER = any(shutil.which(cc) for cc in ("cc", "gcc", "clang"))
 def test_calibrate_describes_this_machine():
     hw = calibrate(threads=1, precision="fp32", numel=1 << 20, repeats=2)
     assert hw.name == "this-cpu" and hw.cpu_adam_threads == 1 and hw.cpu_adam_params_per_s > 1e6
+    assert hw.cpu_adam_thread_params_per_s == hw.cpu_adam_params_per_s  # one thread measured: the host's
     assert hw.host_memory > 2**30 and hw.link_gb_per_s > 0 and hw.gpu_tflops > 0
-    based = calibrate(PRESETS["v100-32g"], threads=1, numel=1 << 20, repeats=2)
-    assert based.name == "v100-32g+calibrated" and based.host_memory == hw.host_memory
-    if not torch.cuda.is_available():
-        assert based.gpu_tflops == 125 and based.gpus == 8  # the device side is the preset's
+    if HAS_COMPILER:  # the host's bandwidth is the memory floor's: no Adam moves its bytes faster
+        assert hw.host_memory_gb_per_s * 1e9 / 28 * (1 + 1e-9) >= hw.cpu_adam_params_per_s
+    if not torch.cuda.is_available():  # the emulated device's "link" is a host memory copy, and says so
+        assert hw.link_kind == "host memcpy" and "device-host link (host memcpy)" in describe(hw, THIRTEEN_B)
+
+
+def test_calibrating_a_preset_replaces_its_cpu_figures_and_keeps_its_capacities():
+    v100 = PRESETS["v100-32g"]
+    based = calibrate(v100, threads=1, numel=1 << 20, repeats=2)
+    assert based.name == "v100-32g+calibrated" and based.cpu_adam_threads == 1
+    assert based.cpu_adam_params_per_s != v100.cpu_adam_params_per_s
+    assert based.host_memory_gb_per_s != v100.host_memory_gb_per_s
+    kept = ("gpus", "gpu_memory", "host_memory", "cpu_cores", "gpu_tflops", "gpu_memory_gb_per_s")
+    assert all(getattr(based, name) == getattr(v100, name) for name in kept)
+    if not torch.cuda.is_available():  # a host copy is not the preset's PCIe link
+        assert (based.link_gb_per_s, based.link_kind) == (v100.link_gb_per_s, "PCIe")
+
+
+def test_calibrate_sweeps_thread_counts_up_to_the_ranks(monkeypatch):
+    def profile(*, threads, form, numel, repeats):
+        rate = min(threads, 3) * 1e8  # memory saturates at 3 threads
+        return bandwidth.AdamProfile("C SIMD", form, threads, rate, 1e-5, 0.0, "", 28 * 3e8 / 1e9)
+
+    monkeypatch.setattr(bandwidth, "cpu_adam_profile", profile)
+    assert hardware.sweep_threads(6) == [1, 2, 4, 6]
+    hw = calibrate(PRESETS["a100-80g"], threads=6, numel=1 << 16, repeats=1)
+    assert (hw.cpu_adam_params_per_s, hw.cpu_adam_thread_params_per_s, hw.cpu_adam_threads) == (3e8, 1e8, 6)
+    assert hw.host_memory_gb_per_s == pytest.approx(8.4)
+    assert replace(hw, gpus=1).cpu_adam_saturating_threads() == 3
 
 
 def _offload_engine(width: int, depth: int):
@@ -288,6 +364,17 @@ def test_zo_plan_saves_plots_of_step_time(tmp_path, capsys):
     assert main([*ARGS_13B, "--plot", str(tmp_path)]) == 0
     for name in ("step_time_vs_batch.png", "step_time_vs_link.png"):
         assert (tmp_path / name).stat().st_size > 10_000
+
+
+def test_zo_plan_calibrate_keeps_the_presets_capacities(capsys, monkeypatch):
+    quick = perfmodel.calibrate
+    monkeypatch.setattr(
+        perfmodel, "calibrate", lambda base, **kw: quick(base, **kw, numel=1 << 18, repeats=1)
+    )
+    assert main(["plan", "--params", "13B", "--preset", "a100-80g", "--calibrate", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "a100-80g+calibrated: 8 GPU(s) of 85.9 GB" in out and "host 2199.0 GB, 128 cores" in out
+    assert "stage 2 + optimizer offload            35.2 GB  260.0 GB  yes" in out  # 13B fits in 2 TiB
 
 
 def test_zo_plan_calibrated_on_this_machine(capsys):

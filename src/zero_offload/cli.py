@@ -60,6 +60,9 @@ def _size(text: str) -> int:
 
 
 def _plan(args) -> int:
+    """`zo plan`: every stage x offload on a preset, and a recommendation. `--preset this-cpu` measures this
+    whole machine; `--calibrate` on another preset measures only the CPU Adam and the host's memory bandwidth
+    (and the PCIe link where CUDA is present): capacities come from the preset or --gpu-memory/--host-memory."""
     from dataclasses import replace
 
     from .tuning import perfmodel
@@ -77,6 +80,8 @@ def _plan(args) -> int:
         hint = " (--gpus 1 for a single GPU)" if args.gpus is not None and args.gpus < 1 else ""
         print(f"error: {'; '.join(problems)}{hint}", file=sys.stderr)
         return 2
+    # --calibrate replaces the preset's CPU Adam figures and host memory bandwidth (and, with CUDA, the link);
+    # the capacities stay the preset's or the options'. Only this-cpu describes this whole machine.
     if args.preset == "this-cpu" or args.calibrate:
         print("calibrating: timing this machine's CPU Adam and memory ...", file=sys.stderr)
         base = None if args.preset == "this-cpu" else perfmodel.PRESETS[args.preset]
@@ -85,7 +90,7 @@ def _plan(args) -> int:
         hw = perfmodel.PRESETS[args.preset]
     overrides = {"gpus": args.gpus, "gpu_memory": args.gpu_memory, "host_memory": args.host_memory,
                  "link_gb_per_s": args.link, "gpu_tflops": args.tflops, "mfu": args.mfu,
-                 "cpu_adam_params_per_s": args.cpu_adam}  # fmt: skip
+                 "cpu_adam_params_per_s": args.cpu_adam, "cpu_adam_threads": args.threads}  # fmt: skip
     hw = replace(hw, **{key: value for key, value in overrides.items() if value is not None})
     wl = perfmodel.Workload(args.params, batch=args.batch, seq_len=args.seq, precision=args.precision,
                             recompute=args.recompute, units=args.units)  # fmt: skip
@@ -177,18 +182,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     plan.add_argument("--params", type=parse_count, required=True, help="e.g. 13B, 350M, 1e9")
     plan.add_argument("--preset", default="a100-80g", choices=["v100-32g", "a100-80g", "h200", "this-cpu"],
-                      help="hardware figures to start from (this-cpu: measured here)")  # fmt: skip
+                      help="hardware figures to start from (this-cpu: this whole machine, measured)")  # fmt: skip
     plan.add_argument(
-        "--calibrate", action="store_true", help="measure this host's CPU Adam and memory first"
-    )
+        "--calibrate", action="store_true",
+        help="measure this host's CPU Adam (by thread count) and memory bandwidth, and the PCIe link where "
+             "CUDA is present, in place of the preset's; capacities (GPUs, GPU and host memory, cores) stay "
+             "the preset's or --gpus/--gpu-memory/--host-memory (--preset this-cpu measures them too)",
+    )  # fmt: skip
     plan.add_argument("--gpus", type=int, help="GPUs on the host, one rank each")
     plan.add_argument("--gpu-memory", type=_size, help="per GPU, e.g. 80GB")
     plan.add_argument("--host-memory", type=_size, help="e.g. 256GB")
     plan.add_argument("--link", type=float, help="device<->host GB/s per GPU and direction (PCIe)")
     plan.add_argument("--tflops", type=float, help="peak dense TFLOP/s per GPU")
     plan.add_argument("--mfu", type=float, help="share of peak a training step reaches (default 0.4)")
-    plan.add_argument("--cpu-adam", type=parse_count, help="host CPU Adam throughput, parameters/s (e.g. 5G)")
-    plan.add_argument("--threads", type=int, help="CPU Adam threads for --calibrate (default: the engine's)")
+    plan.add_argument(
+        "--cpu-adam",
+        type=parse_count,
+        help="the host's CPU Adam throughput, all ranks together, parameters/s (e.g. 5G)",
+    )
+    plan.add_argument("--threads", type=int,
+                      help="CPU Adam threads a rank (--calibrate measures up to it; default: the engine's)")  # fmt: skip
     plan.add_argument("--batch", type=int, default=1, help="micro-batch per GPU, in sequences")
     plan.add_argument("--seq", type=int, default=1024, help="sequence length in tokens")
     plan.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"])

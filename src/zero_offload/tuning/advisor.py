@@ -46,12 +46,13 @@ def advise(hw: Hardware, wl: Workload, chosen: Plan, plans: list[Plan]) -> list[
         )
         advice.append(Advice("warning", "offload-not-needed", why))
     if offloads and t.cpu_adam > t.compute:
-        threads = max(1, hw.cpu_cores // hw.gpus)
-        more = (
-            f"give the CPU Adam {threads} threads ({hw.cpu_adam_threads} now), "
-            if threads > hw.cpu_adam_threads
-            else ""
-        )
+        threads, more = hw.cpu_adam_saturating_threads(), ""
+        if threads > hw.cpu_adam_threads:
+            more = (
+                f"give the CPU Adam {threads} threads a rank ({hw.cpu_adam_threads} now: "
+                f"{hw.cpu_adam_rank_params_per_s() / 1e9:.3g} against "
+                f"{hw.cpu_adam_rank_params_per_s(threads) / 1e9:.3g} Gparam/s), "
+            )
         why = (
             f"the CPU step ({t.cpu_adam:.3g} s) is longer than forward + backward ({t.compute:.3g} s), so the "
             f"GPU waits on every step; {more}offload a smaller ratio, or raise the batch (compute grows with "
@@ -86,13 +87,26 @@ def advise(hw: Hardware, wl: Workload, chosen: Plan, plans: list[Plan]) -> list[
             f"GPU against {gb(best.pcie_bytes)} for {best.label}, which fits already"
         )
         advice.append(Advice("warning", "offload-param-not-needed", why))
-    stage2 = [p for p in plans if p.stage == 2 and p.offload == chosen.offload and p.fits]
-    if chosen.stage == 3 and hw.gpus > 1 and stage2:
-        why = (
-            "stage 3 gathers the weights in forward and again in backward, 1.5x the GPU-to-GPU traffic of "
-            f"stage 2, which fits as well ({gb(stage2[0].device_bytes)} per GPU)"
-        )
-        advice.append(Advice("info", "stage3-traffic", why))
+    if chosen.stage == 3:  # stage 3's gathers, and offload_param's copies, where stage 2 would do
+        lighter_offload = "optimizer" if chosen.offload == "optimizer+param" else chosen.offload
+        stage2 = [p for p in plans if p.stage == 2 and p.offload == lighter_offload and p.ratio in (0, 1)]
+        if stage2 and stage2[0].fits and stage2[0].time.serial < t.serial:
+            other = stage2[0]
+            why = (
+                f"{other.label} fits ({gb(other.device_bytes)} per GPU, host {gb(other.host_bytes)}) and is "
+                f"predicted {other.time.serial:.3g} s a step against {t.serial:.3g} s: stage 3 gathers the "
+                "weights in forward and again in backward"
+            )
+            if hw.gpus > 1:
+                why += f" (GPU-to-GPU {t.comm:.3g} s against {other.time.comm:.3g} s)"
+            if chosen.pcie_bytes > other.pcie_bytes:
+                why += (
+                    f", and offload_param sends them over PCIe for each gather: "
+                    f"{gb(chosen.pcie_bytes - other.pcie_bytes)} more a step per GPU "
+                    f"({gb(chosen.pcie_bytes)} against {gb(other.pcie_bytes)}, {t.pcie:.3g} s against "
+                    f"{other.time.pcie:.3g} s)"
+                )
+            advice.append(Advice("warning" if chosen.offload != "none" else "info", "stage3-traffic", why))
     if offloads:  # mistake 4: not reserving host memory
         per_param = chosen.host_bytes / wl.params
         of_states = hw.gpus * chosen.states.host / wl.params
@@ -136,7 +150,12 @@ def _rank(p: Plan) -> tuple:
 
 
 def recommend(hw: Hardware, wl: Workload) -> Recommendation:
-    """The fastest configuration that fits, with a partial offload ratio where part of the optimizer fits."""
+    """The fastest configuration that fits, with a partial offload ratio where part of the optimizer fits.
+
+    Plans are evaluated with the CPU Adam thread count the config recommends: the saturation point of
+    Hardware.cpu_adam_saturating_threads, where more threads stop adding throughput.
+    """
+    hw = replace(hw, cpu_adam_threads=hw.cpu_adam_saturating_threads())
     plans = plan_all(hw, wl)
     candidates = [p for p in plans if p.fits and p.offload != "optimizer"]
     for stage in (1, 2, 3):
@@ -178,9 +197,20 @@ def recommend(hw: Hardware, wl: Workload) -> Recommendation:
             )
         if best.offload == "optimizer+param":
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-        threads = max(1, hw.cpu_cores // hw.gpus)
+        threads = hw.cpu_adam_threads
         config["zero_offload"] = {"cpu_adam": {"impl": "simd", "threads": threads}}
-        reasons.append(f"CPU Adam threads: {threads} per rank ({hw.cpu_cores} cores, {hw.gpus} rank(s))")
+        share = hw.cpu_adam_params_per_s / hw.gpus
+        reach = (
+            "which they reach; more would add nothing"
+            if hw.cpu_adam_rank_params_per_s() >= share * (1 - 1e-9)
+            else f"of which they reach {hw.cpu_adam_rank_params_per_s() / 1e9:.3g}, all the cores a rank has"
+        )
+        reasons.append(
+            f"CPU Adam threads: {threads} per rank: one thread updates "
+            f"{hw.cpu_adam_thread_params_per_s / 1e9:.3g} Gparam/s, a rank's share of the host's "
+            f"{hw.cpu_adam_params_per_s / 1e9:.3g} is {share / 1e9:.3g} ({hw.gpus} rank(s), "
+            f"{hw.cores_per_rank} cores each), {reach}"
+        )
     if wl.recompute:
         config["activation_checkpointing"] = {}
     return Recommendation(best, wl, config, reasons, advise(hw, wl, best, plans))
@@ -194,8 +224,11 @@ def describe(hw: Hardware, wl: Workload) -> str:
         f"{wl.params / 1e9:.3g}B parameters ({layers} layers x hidden {hidden}), {wl.precision}, batch "
         f"{wl.batch} x {wl.seq_len} tokens per GPU{recompute}\n"
         f"{hw.name}: {hw.gpus} GPU(s) of {gb(hw.gpu_memory)}, {hw.gpu_tflops:.4g} TFLOP/s x {hw.mfu:.0%} "
-        f"MFU; host {gb(hw.host_memory)}, {hw.cpu_cores} cores; PCIe {hw.link_gb_per_s:.3g} GB/s; CPU Adam "
-        f"{hw.cpu_adam_params_per_s / 1e9:.3g} Gparam/s ({hw.cpu_adam_threads} thread(s) a rank)"
+        f"MFU; host {gb(hw.host_memory)}, {hw.cpu_cores} cores, memory {hw.host_memory_gb_per_s:.3g} GB/s; "
+        f"device-host link ({hw.link_kind}) {hw.link_gb_per_s:.3g} GB/s\n"
+        f"CPU Adam: {hw.cpu_adam_params_per_s / 1e9:.3g} Gparam/s the host, shared by its ranks; "
+        f"{hw.cpu_adam_thread_params_per_s / 1e9:.3g} a thread; a rank with {hw.cpu_adam_threads} thread(s) "
+        f"reaches {hw.cpu_adam_rank_params_per_s() / 1e9:.3g}"
     )
 
 

@@ -2,10 +2,12 @@
 
 Four numbers decide how fast ZeRO-Offload trains ("GPU computes, CPU stores, PCIe moves"):
 
-  host_copy_bandwidth()    how fast host memory copies (the CPU Adam is bound by memory, not arithmetic);
+  host_copy_bandwidth()    how fast host memory copies, on several threads (one thread cannot saturate it);
   device_link_bandwidth()  how fast the device<->host link (PCIe) moves bytes, from pinned and from pageable
                            memory (CUDA only);
-  cpu_adam_profile()       how many parameters a second our C Adam updates, and what each call costs;
+  cpu_adam_profile()       how many parameters a second our C Adam updates, what each call costs, and the
+                           memory floor at the same threads (its bytes, no arithmetic: the CPU Adam is
+                           bound by memory, and the floor bounds its throughput and measures the bandwidth);
   matmul_tflops()          how fast the device multiplies matrices (the compute of forward and backward).
 
 Each probe returns plain numbers (a small dataclass) and takes a second or less at its default size, less at
@@ -15,6 +17,7 @@ a page fault) does not move a median.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .build import CompilerNotFound, build
-from .cpu_adam import adam_update, default_threads
+from .cpu_adam import adam_update, default_threads, memory_floor
 
 # Gradient dtype in, weight dtype out (None: none written) of the CPU Adam forms the engine runs.
 ADAM_FORMS = {
@@ -33,6 +36,9 @@ ADAM_FORMS = {
 }
 # The engine's offloaded step for each training precision (the host keeps its gradient partition in fp32).
 ENGINE_FORM = {"fp32": "fp32", "fp16": "mixed", "bf16": "mixed"}
+# Bytes of memory traffic a parameter of each form: w, g, m, v read, w, m, v written, and the 16-bit output.
+FORM_BYTES = {"fp32": 28, "fp16": 28, "mixed": 30}
+FLOOR_BYTES = 28  # what tuning.cpu_adam.memory_floor moves a parameter (fp32 gradients, or 16-bit in and out)
 # The CPU step follows backward, which has pushed the optimizer states out of the caches. A probe that
 # updates the same buffer again and again would find them cached and overstate the speed of small models,
 # so before each timed update we read a buffer larger than any last-level cache. Read, not write: written
@@ -56,8 +62,11 @@ def median_seconds(
     return statistics.median(times)
 
 
+@functools.cache  # filling 128 MB takes longer than a small probe: calibrate() runs several probes
 def _cache_flusher() -> Callable[[], object]:
-    buffer = torch.ones(FLUSH_BYTES // 4)
+    buffer = torch.ones(
+        FLUSH_BYTES // 4
+    )  # written, so that its pages are real ones, not the shared zero page
     return lambda: buffer.sum()
 
 
@@ -73,21 +82,31 @@ class Bandwidth:
         return self.nbytes / self.seconds / 1e9
 
 
-def host_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5, device="cpu") -> Bandwidth:
-    """Host memory: one torch copy between two buffers of `nbytes` (use more than the last-level cache).
+def host_copy_bandwidth(
+    nbytes: int = 64 * 2**20, repeats: int = 5, device="cpu", threads: int | None = None
+) -> Bandwidth:
+    """Host memory: one fp32 torch copy between two buffers of `nbytes` (use more than the last-level cache),
+    on `threads` of torch's threads (default: as many as the engine's CPU Adam), as the emulated device copies.
 
-    With a CUDA `device` the same copy measures the GPU's own memory (HBM) instead.
+    One thread cannot draw a host's whole memory bandwidth; calibrate() uses the memory floor of the C kernel
+    where it has one. With a CUDA `device` the same copy measures the GPU's own memory (HBM) instead.
     """
     device = torch.device(device)
-    source = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    source = torch.ones(nbytes // 4, device=device)
+    target = torch.empty(nbytes // 4, device=device)
 
     def copy():
         target.copy_(source)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    return Bandwidth(nbytes, median_seconds(copy, repeats))
+    previous = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(threads or default_threads())
+    try:
+        return Bandwidth(source.nbytes, median_seconds(copy, repeats))
+    finally:
+        torch.set_num_threads(previous)
 
 
 @dataclass(frozen=True)
@@ -151,6 +170,7 @@ class AdamProfile:
     call_seconds: float  # Python, argument checks, thread start-up: paid once per tensor updated
     step_seconds: float  # paid once per step: the first touches of memory whose caches were emptied
     note: str = ""
+    floor_gb_per_s: float | None = None  # the memory floor's DRAM traffic at these threads (C kernel only)
 
     def seconds(self, params: float, calls: int = 1) -> float:
         return self.step_seconds + calls * self.call_seconds + params / self.params_per_s
@@ -195,11 +215,40 @@ def _c_adam_pass(flat: list[torch.Tensor], pieces: int, numel: int, threads: int
     return run
 
 
+def _floor_pass(flat: list[torch.Tensor], numel: int, threads: int) -> Callable[[], None]:
+    """The memory floor over the first `numel` elements of the flat buffers: their bytes, no arithmetic."""
+    param, grad, exp_avg, exp_avg_sq, *out = (buffer[:numel] for buffer in flat)
+    # The mixed form's fp32 gradients with a 16-bit output have no floor of their own: leave the output out.
+    out = out[0] if out and grad.dtype != torch.float32 else None
+    return lambda: memory_floor(param, grad, exp_avg, exp_avg_sq, out=out, threads=threads)
+
+
 def _torch_adam_pass(pieces: int, numel: int) -> Callable[[], None]:
     params = [torch.zeros(numel, requires_grad=True) for _ in range(pieces)]
     for param in params:
         param.grad = torch.full((numel,), 0.01)
     return torch.optim.Adam(params, lr=1e-3, fused=True).step  # on torch's threads: see cpu_adam_profile
+
+
+def fit_adam_cost(
+    numel: int, few: float, many: float, double: float, floor: float | None = None, form: str = "fp32"
+) -> tuple[float, float, float]:
+    """(params_per_s, call_seconds, step_seconds) from the median seconds of cpu_adam_profile's passes:
+    `few` = step + 4 calls + numel elements, `many` = step + 64 calls + numel, `double` = step + 4 calls + 2 numel,
+    and `floor`, the memory floor over numel elements at the same threads (None: not measured).
+
+    Each unknown is a difference of two medians, and noise can push one past what is physically possible, so
+    each is kept within bounds: no negative costs; the elements take no more than what the first pass left
+    after its calls (the step's own cost is not negative); and no less than the memory floor's bytes allow.
+    """
+    call = max(0.0, (many - few) / 60)
+    remainder = max(0.0, few - 4 * call) / numel  # seconds a parameter if the step cost nothing
+    least = floor * FORM_BYTES[form] / FLOOR_BYTES / numel if floor else 0.0
+    per_param = (double - few) / numel
+    per_param = min(per_param, remainder) if per_param > 0 else remainder
+    per_param = max(per_param, least) or few / numel
+    step = max(0.0, few - 4 * call - numel * per_param)
+    return 1 / per_param, call, step
 
 
 def cpu_adam_profile(
@@ -217,8 +266,10 @@ def cpu_adam_profile(
     pass's extra time: each call's Python path (argument checks, cffi, starting threads) runs after the
     previous tensor's stream has emptied the caches, as between the engine's units. The extra elements of the
     third pass give the throughput. What the first pass took beyond its calls and its elements is paid once
-    a step. `impl` "auto" is our C kernel, or torch's fused Adam where no C compiler exists (then `note`
-    says so); "torch" measures torch's fused Adam on purpose.
+    a step. With the C kernel a fourth pass times the memory floor over `numel` elements at the same threads:
+    no update moves its bytes faster, so it bounds the throughput from above (fit_adam_cost). `impl` "auto"
+    is our C kernel, or torch's fused Adam where no C compiler exists (then `note` says so); "torch" measures
+    torch's fused Adam on purpose.
     """
     if form not in ADAM_FORMS:
         raise ValueError(f"form must be one of {', '.join(ADAM_FORMS)}; got {form!r}")
@@ -245,10 +296,11 @@ def cpu_adam_profile(
             torch.set_num_threads(threads)
             passes = {key: _torch_adam_pass(pieces, size) for key, (pieces, size) in shapes.items()}
         else:
-            flat = _adam_buffers(4 * (numel // 2), form)  # shared by the three passes
+            flat = _adam_buffers(4 * (numel // 2), form)  # shared by the passes
             passes = {
                 key: _c_adam_pass(flat, pieces, size, threads) for key, (pieces, size) in shapes.items()
             }
+            passes["floor"] = _floor_pass(flat, 4 * (numel // 4), threads)
         times = {key: [] for key in passes}
         flush = _cache_flusher()
         for run in passes.values():
@@ -261,12 +313,14 @@ def cpu_adam_profile(
                 times[key].append(time.perf_counter() - started)
     finally:
         torch.set_num_threads(previous_threads)
-    few, many, double = (statistics.median(times[key]) for key in shapes)
-    call = max(0.0, (many - few) / 60)
-    # Doubling the elements must add time; if noise says otherwise, charge the whole first pass to them.
-    params_per_s = numel / (double - few) if double - few > few / 4 else numel / few
-    step = max(0.0, few - 4 * call - numel / params_per_s)
-    return AdamProfile(name, form, threads, params_per_s, call, step, note)
+    medians = {key: statistics.median(values) for key, values in times.items()}
+    elements = 4 * (numel // 4)
+    floor = medians.get("floor")
+    params_per_s, call, step = fit_adam_cost(
+        elements, medians["few"], medians["many"], medians["double"], floor, form
+    )
+    floor_gb_per_s = FLOOR_BYTES * elements / floor / 1e9 if floor else None
+    return AdamProfile(name, form, threads, params_per_s, call, step, note, floor_gb_per_s)
 
 
 def cpu_adam_sweep(

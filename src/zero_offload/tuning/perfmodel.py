@@ -10,103 +10,34 @@ For a model of P parameters on a host with N GPUs (one rank each, shard = P / N)
              all-reduce); stage 3 gathers the weights twice (forward and backward): 3 (N-1)/N.
   PCIe       offload_optimizer: the rank's fp16 gradients down and fp16 weights up, 2 + 2 bytes a parameter
              of its shard; offload_param: the weights go up for every gather (2 + 2) and never come back.
-  CPU Adam   step_seconds + calls * call_seconds + params_on_host / params_per_s, the host's throughput
-             shared by its ranks (a start-up cost once a step, one per tensor, then the elements).
+  CPU Adam   step_seconds + calls * call_seconds + params_on_host / the rank's throughput: its threads' own
+             speed, at most its share of the host's (hardware.py; a start-up cost once a step, one per
+             tensor, then the elements).
 
 `serial` adds them up (this engine up to module 4). `overlapped` is the busiest resource alone: every copy,
 collective and, with module 5's delayed parameter update, the CPU step hidden behind compute. Real steps
 fall between the two. Memory per tier comes from basics.estimate_model_states, plus activations, working
-buffers and the host's fp16 staging buffers.
+buffers and the host's fp16 staging buffers. The hardware (presets, calibration) is hardware.py.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass, replace
-
-import torch
+from dataclasses import dataclass
 
 from ..basics.memory import ModelStateBytes, estimate_model_states
-from ..units import parse_bytes
-from . import bandwidth as probe
+from .hardware import ADAM_BYTES_PER_PARAM, PRESET_NAMES, PRESETS, Hardware, calibrate, hardware_preset
 from .partial import estimate_partial_offload
 
-ADAM_BYTES_PER_PARAM = 28  # one fused pass: read w, g, m, v (16 bytes), write w, m, v (12 bytes)
+# The hardware's names are re-exported: `from zero_offload.tuning.perfmodel import PRESETS, calibrate` works.
+__all__ = ["ADAM_BYTES_PER_PARAM", "DEVICE_RESERVE", "HOST_RESERVE", "LOW_BYTES", "OFFLOADS", "PRESETS",
+           "PRESET_NAMES", "Hardware", "Plan", "StepTime", "Workload", "calibrate", "cpu_adam_seconds",
+           "hardware_preset", "plan", "plan_all"]  # fmt: skip
+
 LOW_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 OFFLOADS = ("none", "optimizer", "optimizer+param")
 DEVICE_RESERVE = 0.08  # CUDA context, allocator fragmentation and communication buffers
 HOST_RESERVE = 0.10  # the OS, the data loader and the Python processes themselves
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """One host: its GPUs (one rank each), its CPU and memory, and the links between them."""
-
-    name: str
-    gpus: int
-    gpu_memory: int  # bytes per GPU
-    gpu_tflops: float  # peak dense 16-bit TFLOP/s per GPU (fp32 for the emulated device)
-    gpu_memory_gb_per_s: float  # HBM bandwidth: the device's Adam is bound by it
-    gpu_link_gb_per_s: float  # GPU-to-GPU bandwidth per GPU and direction (NVLink)
-    link_gb_per_s: float  # device<->host per GPU and direction, from pinned memory (PCIe)
-    host_memory: int  # bytes
-    host_memory_gb_per_s: float  # DRAM traffic, read + write
-    cpu_cores: int
-    cpu_adam_params_per_s: float  # the whole host's CPU Adam, all ranks together
-    cpu_adam_threads: int  # threads each rank's CPU Adam runs with
-    cpu_adam_call_seconds: float = 30e-6  # Python and argument checks of one call (one per tensor)
-    cpu_adam_step_seconds: float = 0.0  # once a step: first touches of memory whose caches were emptied
-    pageable_link_gb_per_s: float | None = None  # measured by calibrate() on a CUDA host
-    mfu: float = 0.4  # model FLOPs utilization: the share of peak a training step reaches (30-50% is usual)
-    notes: str = ""
-
-
-def _cpu_adam_rate(dram_gb_per_s: float, efficiency: float = 0.6) -> float:
-    """Parameters/s of a memory-bound one-pass Adam: a share of peak DRAM bandwidth over 28 bytes a parameter.
-
-    60% of peak is about what STREAM reaches on two-socket servers; `zo plan --calibrate` measures instead.
-    """
-    return efficiency * dram_gb_per_s * 1e9 / ADAM_BYTES_PER_PARAM
-
-
-GiB = 2**30
-# Figures from NVIDIA's data sheets (DGX-1 V100, DGX A100 640GB, DGX H200) and the CPUs' memory channels.
-# Links are the usual measured bandwidths, below the nominal 16 / 32 / 64 GB/s of PCIe 3 / 4 / 5 x16;
-# NVLink is about 80% of its nominal bandwidth per direction (150 / 300 / 450 GB/s), as NCCL reaches it.
-PRESETS = {
-    "v100-32g": Hardware(
-        "v100-32g", gpus=8, gpu_memory=32 * GiB, gpu_tflops=125, gpu_memory_gb_per_s=900,
-        gpu_link_gb_per_s=120, link_gb_per_s=12, host_memory=512 * GiB,
-        host_memory_gb_per_s=153.6,  # 2 x Xeon E5-2698 v4, 4 channels DDR4-2400 each
-        cpu_cores=40, cpu_adam_params_per_s=_cpu_adam_rate(153.6), cpu_adam_threads=5,
-        notes="DGX-1: 8 x V100-SXM2-32GB, PCIe 3",
-    ),
-    "a100-80g": Hardware(
-        "a100-80g", gpus=8, gpu_memory=80 * GiB, gpu_tflops=312, gpu_memory_gb_per_s=2039,
-        gpu_link_gb_per_s=240, link_gb_per_s=25, host_memory=2048 * GiB,
-        host_memory_gb_per_s=409.6,  # 2 x EPYC 7742, 8 channels DDR4-3200 each
-        cpu_cores=128, cpu_adam_params_per_s=_cpu_adam_rate(409.6), cpu_adam_threads=16,
-        notes="DGX A100: 8 x A100-SXM4-80GB, PCIe 4",
-    ),
-    "h200": Hardware(
-        "h200", gpus=8, gpu_memory=141 * 10**9, gpu_tflops=989, gpu_memory_gb_per_s=4800,
-        gpu_link_gb_per_s=360, link_gb_per_s=50, host_memory=2048 * GiB,
-        host_memory_gb_per_s=614.4,  # 2 x Xeon Platinum 8480C, 8 channels DDR5-4800 each
-        cpu_cores=112, cpu_adam_params_per_s=_cpu_adam_rate(614.4), cpu_adam_threads=14,
-        notes="DGX H200: 8 x H200 141GB, PCIe 5",
-    ),
-}  # fmt: skip
-PRESET_NAMES = (*PRESETS, "this-cpu")
-
-
-def hardware_preset(name: str) -> Hardware:
-    """A preset by name; "this-cpu" measures this machine (calibrate()) and takes a few seconds."""
-    if name == "this-cpu":
-        return calibrate()
-    if name not in PRESETS:
-        raise ValueError(f"unknown hardware preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
-    return PRESETS[name]
 
 
 @dataclass(frozen=True)
@@ -207,9 +138,10 @@ class Plan:
 
 
 def cpu_adam_seconds(hw: Hardware, params_on_host: float, calls: int) -> float:
-    """One rank's CPU step: its start, its calls, and its parameters at its share of the host's throughput."""
-    share = params_on_host * hw.gpus / hw.cpu_adam_params_per_s
-    return hw.cpu_adam_step_seconds + calls * hw.cpu_adam_call_seconds + share
+    """One rank's CPU step: its start, its calls, and its parameters at the rank's throughput (its threads',
+    at most its share of the host's)."""
+    elements = params_on_host / hw.cpu_adam_rank_params_per_s()
+    return hw.cpu_adam_step_seconds + calls * hw.cpu_adam_call_seconds + elements
 
 
 def _model_states(hw: Hardware, wl: Workload, stage: int, offload: str, ratio: float) -> ModelStateBytes:
@@ -277,63 +209,3 @@ def plan_all(hw: Hardware, wl: Workload) -> list[Plan]:
     choices = [(0, "none"), (1, "none"), (1, "optimizer"), (2, "none"), (2, "optimizer")]
     choices += [(3, offload) for offload in OFFLOADS]
     return [plan(hw, wl, stage, offload) for stage, offload in choices]
-
-
-# -- calibration: this machine's figures, measured -----------------------------------------------------------
-def calibrate(
-    base: Hardware | None = None,
-    *,
-    threads: int | None = None,
-    precision: str = "fp16",
-    numel: int = 4_000_000,
-    repeats: int = 5,
-) -> Hardware:
-    """Measure this machine with bandwidth.py and return its Hardware.
-
-    The host side always: the CPU Adam's throughput and call cost with `threads` (default: as many as the
-    engine uses) in the form the engine runs for `precision`, host memory and its bandwidth. With CUDA, the
-    device side too: link bandwidth pinned and pageable, matmul speed, GPU memory and its bandwidth. Without
-    CUDA and without `base`, the device is the emulated one: its memory is ZO_DEVICE_MEMORY (else all RAM),
-    its "transfers" and its "HBM" are host memory copies, and it computes in fp32 on the CPU. `base` gives
-    what is not measured; a GPU-to-GPU link never is (without `base`, assumed no faster than PCIe).
-    """
-    adam = probe.cpu_adam_profile(
-        threads=threads, form=probe.ENGINE_FORM[precision], numel=numel, repeats=repeats
-    )
-    copy = probe.host_copy_bandwidth(repeats=repeats)
-    host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    measured = dict(
-        host_memory=host_memory,
-        host_memory_gb_per_s=2 * copy.gb_per_s,
-        cpu_cores=cores,
-        cpu_adam_params_per_s=adam.params_per_s,
-        cpu_adam_threads=adam.threads,
-        cpu_adam_call_seconds=adam.call_seconds,
-        cpu_adam_step_seconds=adam.step_seconds,
-    )
-    if torch.cuda.is_available():
-        link = probe.device_link_bandwidth(repeats=repeats)
-        hbm = probe.host_copy_bandwidth(repeats=repeats, device="cuda")
-        measured.update(
-            gpus=torch.cuda.device_count(),
-            link_gb_per_s=link.pinned,
-            pageable_link_gb_per_s=link.pageable,
-            gpu_memory_gb_per_s=2 * hbm.gb_per_s,
-            gpu_memory=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
-            gpu_tflops=probe.matmul_tflops(size=4096, repeats=repeats),
-        )
-    elif base is None:
-        budget = os.environ.get("ZO_DEVICE_MEMORY")
-        measured.update(
-            gpus=1,
-            gpu_memory=parse_bytes(budget) if budget else host_memory,
-            link_gb_per_s=copy.gb_per_s,
-            gpu_memory_gb_per_s=2 * copy.gb_per_s,
-            gpu_tflops=probe.matmul_tflops(size=512, repeats=repeats),
-        )
-    notes = f"calibrated: {adam.impl} Adam, {adam.form} form, {adam.threads} thread(s)"
-    notes += f"; {adam.note}" if adam.note else ""
-    if base is None:
-        return Hardware("this-cpu", gpu_link_gb_per_s=measured["link_gb_per_s"], notes=notes, **measured)
-    return replace(base, name=f"{base.name}+calibrated", notes=notes, **measured)
