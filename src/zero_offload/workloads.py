@@ -126,27 +126,29 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
-
-
+CORPUS_SNAPSHOT = Path(__file__).resolve().parent / "data" / "corpus.txt"
 _FENCED = re.compile(rb"^```.*?^```[^\n]*\n?", re.MULTILINE | re.DOTALL)
 _DIGITS = re.compile(rb"[0-9]")
 
 
-def load_corpus(root: str | Path | None = None) -> torch.Tensor:
-    """The prose of the course's Markdown chapters (course/*.md), as a uint8 tensor.
+def course_prose(root: str | Path) -> bytes:
+    """The prose of the Markdown chapters under `root`/course: fenced blocks and digits are left out, as they
+    hold what the lessons print and measure (see load_corpus)."""
+    files = sorted((Path(root) / "course").glob("*.md"))
+    if not files:
+        raise FileNotFoundError(f"no course/*.md under {root}")
+    return b"\n".join(_DIGITS.sub(b"", _FENCED.sub(b"", f.read_bytes())) for f in files)
 
-    Fenced blocks and digits are left out: the chapters quote what the lessons print and measure, and a corpus
-    that held those quotes would change the lessons' numbers each time a chapter quoted them anew. Outside a
-    clone of the repository (no course/ folder), the package's own Python sources stand in.
+
+def load_corpus(root: str | Path | None = None) -> torch.Tensor:
+    """The training text, as a uint8 tensor: a snapshot of the course's prose (data/corpus.txt), or with `root`
+    the prose of the chapters under root/course as they are now.
+
+    The lessons train on the snapshot, so that editing a chapter (which quotes the lessons' numbers) does not
+    change the numbers the lessons print. `python tools/make_corpus.py` takes a new snapshot; every lesson's
+    numbers change with it.
     """
-    root = Path(root) if root is not None else _repo_root()
-    files = sorted((root / "course").glob("*.md"))
-    if files:
-        data = b"\n".join(_DIGITS.sub(b"", _FENCED.sub(b"", f.read_bytes())) for f in files)
-    else:
-        data = b"\n".join(f.read_bytes() for f in sorted(Path(__file__).resolve().parent.rglob("*.py")))
+    data = course_prose(root) if root is not None else CORPUS_SNAPSHOT.read_bytes()
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
