@@ -25,6 +25,7 @@ from .basics.precision import (
 from .config import Config, load_config
 from .implementation.offload import OffloadedStates, adam_step
 from .implementation.schedulers import build_scheduler
+from .practice.timeline import Span, Timeline, plot_timeline
 from .principles.comm import Comm
 from .principles.recompute import checkpoint_blocks
 from .principles.zero import ShardedStates
@@ -161,6 +162,11 @@ class Engine:
             self._install_upcast_hooks()
         if config.activation_checkpointing.enabled:
             checkpoint_blocks(model, self.accelerator, self.states.dtype)
+        # Module 5: when each stage ran (practice/timeline.py); the collectives and copies record themselves.
+        self._timeline = Timeline()
+        self.comm.timeline = self._timeline
+        if isinstance(self.states, OffloadedStates):
+            self.states.transfers.timeline = self._timeline
         self.micro_steps = 0  # backward calls so far
         self.global_steps = 0  # optimizer steps taken or skipped
         self.skipped_steps = 0
@@ -227,7 +233,7 @@ class Engine:
     def __call__(self, *args, **kwargs):
         args, kwargs = self._to_device(args), self._to_device(kwargs)
         self.states.before_forward()
-        with self.accelerator.activations(self.states.dtype):
+        with self.accelerator.activations(self.states.dtype), self._timeline.span("forward"):
             return self.model(*args, **kwargs)
 
     forward = __call__
@@ -247,7 +253,8 @@ class Engine:
                 f"backward needs a scalar loss, got shape {tuple(loss.shape)}; reduce it first (mean)"
             )
         self.states.before_backward()
-        (loss.float() * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
+        with self._timeline.span("backward"):
+            (loss.float() * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
         self.states.after_backward()
         self.micro_steps += 1
 
@@ -276,6 +283,7 @@ class Engine:
         scaler.update(overflow)
         states.zero_grad()
         self.global_steps += 1
+        self._timeline.step = self.global_steps
         self.history.append(record)
 
     def _update(self, record: dict) -> None:
@@ -291,9 +299,12 @@ class Engine:
             one_pass_offload_step(states, self._host_optimizer, grads[:split], clip_factor)
         elif self._host_optimizer is not None:
             adam_step(self._host_optimizer, states.master_params[:split], grads[:split], clip_factor)
-        record["adam_seconds"] = time.perf_counter() - start
+        end = time.perf_counter()
+        record["adam_seconds"] = end - start
+        self._timeline.add("Adam", start, end)
         if split < len(grads):  # module 4's partial offload: the rest of the units are updated on the device
-            adam_step(self._device_optimizer, states.master_params[split:], grads[split:], clip_factor)
+            with self._timeline.span("Adam"):
+                adam_step(self._device_optimizer, states.master_params[split:], grads[split:], clip_factor)
         states.publish()
 
     def zero_grad(self) -> None:
@@ -313,6 +324,19 @@ class Engine:
         load_checkpoint(self, path)
 
     # -- reporting -------------------------------------------------------------------------------------------------
+    def timeline(self, path=None, *, title: str | None = None) -> list[list[Span]]:
+        """The stages of the last steps (up to 16) on every rank, and with `path` their Gantt chart saved there.
+
+        Every rank must call it (it gathers the ranks' spans); rank 0 draws."""
+        spans = list(self._timeline.spans)
+        by_rank = [spans]
+        if self.comm.distributed:
+            by_rank = [None] * self.comm.world_size
+            torch.distributed.all_gather_object(by_rank, spans, group=self.comm.group)
+        if path is not None and self.comm.rank == 0:
+            plot_timeline(by_rank, path, title=title or f"last {self._timeline.keep_steps} steps, per rank")
+        return by_rank
+
     def estimate_model_states(self):
         zero = self.config.zero_optimization
         if zero.offload_optimizer.enabled and zero.offload_optimizer.ratio < 1.0:

@@ -22,6 +22,7 @@ each time their layer is gathered (forward and again for backward).
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -44,6 +45,7 @@ class Transfers:
     def __init__(self, accel: Accelerator):
         self.accel = accel
         self.bytes: Counter[str] = Counter()  # "d2h" and "h2d"
+        self.timeline = None  # module 5's practice.timeline.Timeline, when the engine keeps one
 
     def _check(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> None:
         if dst.dtype != src.dtype or dst.numel() != src.numel():
@@ -62,15 +64,21 @@ class Transfers:
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._check(dst, src, "d2h")
         # Blocking: the CPU reads `dst` right after (an asynchronous copy is module 5's pipeline).
+        start = time.perf_counter()
         dst.copy_(src)
         self.bytes["d2h"] += src.numel() * src.element_size()
+        if self.timeline is not None:
+            self.timeline.add("D2H", start, time.perf_counter())
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._check(dst, src, "h2d")
         # From pinned memory the copy runs by DMA while the CPU goes on; the device's stream orders it
         # before any kernel that reads `dst`.
+        start = time.perf_counter()
         dst.copy_(src, non_blocking=src.is_pinned())
         self.bytes["h2d"] += src.numel() * src.element_size()
+        if self.timeline is not None:  # a non-blocking copy's span is its launch: the DMA runs on after it
+            self.timeline.add("H2D", start, time.perf_counter())
 
     def reset(self) -> None:
         self.bytes.clear()

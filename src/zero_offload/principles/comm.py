@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections import Counter
 
 import torch
@@ -30,39 +31,55 @@ class Comm:
             torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         )
         self.elements: Counter[str] = Counter()  # collective name -> elements moved (per rank)
+        self.timeline = None  # module 5's practice.timeline.Timeline, when the engine keeps one
 
-    def _run(self, name: str, numel: int, op, async_op: bool):
+    def _run(self, name: str, numel: int, op, async_op: bool, stage: str | None = None):
+        """Run collective `op`, count its elements and, when a timeline is kept, record it as `stage`."""
         self.elements[name] += numel
+        start = time.perf_counter()
         try:
-            return op(async_op)
+            work = op(async_op)
         except RuntimeError as err:
             raise CommunicationError(f"{name} of {numel} elements failed on rank {self.rank}: {err}") from err
+        if self.timeline is None or stage is None:  # control messages are too small to draw
+            return work
+        return self.timeline.until_done(stage, start, work)
+
+    def _local(self, stage: str, start: float) -> None:
+        """One process: the collective was a local copy, recorded like one that ran synchronously."""
+        if self.timeline is not None:
+            self.timeline.until_done(stage, start, None)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, *, async_op: bool = False):
         """Sum `full` over ranks; rank r receives chunk r of the sum in `out`."""
         _check_writable(out, "reduce_scatter output")
         if self.world_size == 1:
+            start = time.perf_counter()
             out.copy_(full)
-            return None
+            return self._local("reduce", start)
         return self._run(
             "reduce_scatter",
             full.numel(),
             lambda a: dist.reduce_scatter_single(out, full, group=self.group, async_op=a),
             async_op,
+            "reduce",
         )
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False):
         """Every rank's `shard`, concatenated in rank order into `full` on every rank."""
         _check_writable(full, "all_gather output")
         if self.world_size == 1:
-            if full.data_ptr() != shard.data_ptr():
-                full.copy_(shard)
-            return None
+            if full.data_ptr() == shard.data_ptr():
+                return None  # the shard is the whole buffer: nothing to gather, nothing to record
+            start = time.perf_counter()
+            full.copy_(shard)
+            return self._local("all-gather", start)
         return self._run(
             "all_gather",
             full.numel(),
             lambda a: dist.all_gather_single(full, shard, group=self.group, async_op=a),
             async_op,
+            "all-gather",
         )
 
     def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False):
@@ -74,6 +91,7 @@ class Comm:
             tensor.numel(),
             lambda a: dist.all_reduce(tensor, group=self.group, async_op=a),
             async_op,
+            "reduce",
         )
 
     def sum(self, value: float) -> float:
