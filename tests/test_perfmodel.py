@@ -298,6 +298,7 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.timing
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the engine's C Adam cannot be built")
 def test_plan_predicts_the_engines_cpu_step_within_25_percent_after_calibration(one_torch_thread):
     # One C thread and one torch thread: on a two-core machine more threads fight over the cores (torch's
