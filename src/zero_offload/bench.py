@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -14,6 +13,7 @@ from . import initialize
 from .accelerator import EmulatedAccelerator
 from .basics.adam import Adam
 from .plots import plot_bars
+from .tuning.bandwidth import median_seconds
 from .tuning.build import CompilerNotFound
 from .tuning.cpu_adam import CPUAdam, adam_update, memory_floor, supported_variants
 from .workloads import TinyGPT, gpt_config, lm_loss
@@ -22,14 +22,7 @@ BYTES_PER_PARAM = 28  # one Adam pass: w, m, v read and written (24) + the fp32 
 
 
 def _median_ms(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
+    return median_seconds(fn, repeats, warmup=warmup) * 1000
 
 
 def _interleaved_ms(fns: dict, rounds: int, calls: int = 3, desc: str = "") -> dict[str, float]:

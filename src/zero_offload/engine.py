@@ -152,9 +152,8 @@ class Engine:
             buf.data = buf.data.to(self.accelerator.device)
         self.optimizer = self._build_optimizers(config)
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
-        self._one_pass = isinstance(self.states, OffloadedStates) and isinstance(
-            self._host_optimizer, CPUAdam
-        )
+        # The C Adam is only ever the host's optimizer of offloaded states (see _build_optimizers).
+        self._one_pass = isinstance(self._host_optimizer, CPUAdam)
         self.ledger = MemoryLedger(self.accelerator)
         self.states.record(self.ledger)
         self._upcast = self.accelerator.compute_dtype(self.states.dtype) != self.states.dtype

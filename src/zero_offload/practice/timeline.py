@@ -79,16 +79,6 @@ class _TimedWork:
         return result
 
 
-@contextmanager
-def timed(timeline: Timeline | None, stage: str):
-    """`timeline.span(stage)`, or nothing when no timeline is kept."""
-    if timeline is None:
-        yield
-    else:
-        with timeline.span(stage):
-            yield
-
-
 def plot_timeline(spans_by_rank: list[list[Span]], path: str | Path, *, title: str) -> Path:
     """A Gantt chart: one band of lanes per rank, one lane per stage."""
     from ..plots import _save, plt

@@ -59,16 +59,11 @@ class SplitOptimizer:
     """The host's Adam and the device's Adam as one optimizer for the schedule, the history and checkpoints.
 
     `param_groups` lists both optimizers' groups (the same dicts, so a schedule that writes an lr reaches both);
-    `state` finds any parameter's moments in whichever optimizer holds it. The engine steps the two parts itself,
-    each over its own units.
+    `state` finds any parameter's moments in whichever optimizer holds it. It has no step(): the engine steps
+    the two parts itself, each over its own units.
     """
 
     def __init__(self, host: torch.optim.Optimizer | None, device: torch.optim.Optimizer | None):
-        self.host, self.device = host, device
-        self.parts = [part for part in (host, device) if part is not None]
-        self.param_groups = [group for part in self.parts for group in part.param_groups]
-        self.state = {param: state for part in self.parts for param, state in part.state.items()}
-
-    def step(self) -> None:
-        for part in self.parts:
-            part.step()
+        parts = [part for part in (host, device) if part is not None]
+        self.param_groups = [group for part in parts for group in part.param_groups]
+        self.state = {param: state for part in parts for param, state in part.state.items()}
