@@ -94,6 +94,8 @@ class _WorkerStream:
     Torch kernels release the GIL, so a copy on one stream really overlaps compute on another.
     """
 
+    waits_without_blocking = True  # wait_event() returns at once: the worker thread does the waiting
+
     def __init__(self, name: str):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._waits: list[Event] = []
@@ -118,6 +120,9 @@ class _WorkerStream:
 
 class _CudaStream:
     """A CUDA stream: `submit` enqueues the kernels of `fn` on it and records an event after them."""
+
+    # Waiting for a CUDA event is enqueued on the stream; waiting for a host thread's work blocks the caller.
+    waits_without_blocking = False
 
     def __init__(self, device: torch.device):
         self._stream = torch.cuda.Stream(device=device)

@@ -13,7 +13,9 @@ Our own settings live under one top-level key, so a DeepSpeed config stays a Dee
     "zero_offload": {
         "device_memory": "512MiB",          # budget of the emulated device (int bytes or a size string)
         "cpu_adam": {"impl": "simd", "threads": 2},  # the host's Adam: "simd" (default) | "torch" | "naive"
+        "overlap_offload": true,            # module 5: copies and the host's Adam overlap the device's work
         "delayed_param_update": {"enabled": true, "start_step": 10},
+        "cores": {"device": [0], "host": [1]},  # pin the device's compute and the host's Adam apart
         "seed": 1234
     }
 
@@ -158,10 +160,21 @@ class DelayedParamUpdateConfig:
 
 
 @dataclass(frozen=True)
+class CoresConfig:
+    # CPU cores for the emulated device's compute (the main thread, torch's ops) and for the host's work (the
+    # pipeline's queue, the C Adam's threads). Empty: no pinning. A GPU and a CPU are separate processors;
+    # on a machine with only CPUs this keeps the two from taking each other's cores.
+    device: tuple[int, ...] = ()
+    host: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class ExtensionConfig:
     device_memory: int | None = None  # bytes; None: the real device's size, or ZO_DEVICE_MEMORY
     cpu_adam: CpuAdamConfig = CpuAdamConfig()
+    overlap_offload: bool = False  # module 5's pipeline (practice/pipeline.py); off: module 3's serial step
     delayed_param_update: DelayedParamUpdateConfig = DelayedParamUpdateConfig()
+    cores: CoresConfig = CoresConfig()
     seed: int = 1234
 
 
@@ -631,14 +644,44 @@ def _extension(s: _Section) -> ExtensionConfig:
             impl=adam.choice("impl", ("simd", "torch", "naive"), "simd"),
             threads=adam.get("threads", int, None, optional=True, **_AT_LEAST_1),
         ),
+        overlap_offload=s.get("overlap_offload", bool, False),
         delayed_param_update=DelayedParamUpdateConfig(
             enabled=delayed.get("enabled", bool, False),
             start_step=delayed.get("start_step", int, 10, **_NON_NEGATIVE),
         ),
+        cores=_cores(s.section("cores")),
     )
     for section in (adam, delayed, s):
         section.done()
     return out
+
+
+def _cores(s: _Section) -> CoresConfig:
+    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    picked = {}
+    for side in ("device", "host"):
+        cores = s.get(side, list, [])
+        if cores and not usable:
+            raise ConfigError(
+                s.key(side), f"{s.key(side)}: this system cannot pin threads to cores; remove it"
+            )
+        bad = [c for c in cores if not isinstance(c, int) or isinstance(c, bool) or c not in usable]
+        if bad:
+            raise ConfigError(
+                s.key(side),
+                f"{s.key(side)} = {json.dumps(cores)}: {json.dumps(bad)} not among the cores this process may "
+                f"use ({', '.join(map(str, usable))})",
+            )
+        picked[side] = tuple(cores)
+    s.done()
+    shared = set(picked["device"]) & set(picked["host"])
+    if shared:
+        raise ConfigError(
+            s.key("host"),
+            f"{s.key('device')} and {s.key('host')} share core(s) {sorted(shared)}; give each side its own "
+            "cores, or leave both lists out to let them share all cores",
+        )
+    return CoresConfig(**picked)
 
 
 def _batch_sizes(

@@ -8,6 +8,7 @@ learning-rate schedule) and hands the model states to one object that decides wh
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 
@@ -25,6 +26,8 @@ from .basics.precision import (
 from .config import Config, load_config
 from .implementation.offload import OffloadedStates, adam_step
 from .implementation.schedulers import build_scheduler
+from .practice.dpu import DelayedUpdate
+from .practice.pipeline import HostQueue, OffloadPipeline
 from .practice.timeline import Span, Timeline, plot_timeline
 from .principles.comm import Comm
 from .principles.recompute import checkpoint_blocks
@@ -36,7 +39,6 @@ from .tuning.partial import SplitOptimizer, estimate_partial_offload
 # Pieces of the config that later modules of the course implement; until then a clear error beats a silent no-op.
 _NOT_YET = {
     "nvme": 'the NVMe tier arrives with module 5 (practice); use "device": "cpu"',
-    "delayed_param_update": "the delayed parameter update arrives with module 5 (practice)",
 }
 
 
@@ -62,11 +64,44 @@ def _check_supported(config: Config) -> None:
                 'the device saves the least memory for the most traffic; add "offload_optimizer": {"device": "cpu"}',
             )
         )
-    if config.zero_offload.delayed_param_update.enabled:
-        problems.append(("zero_offload.delayed_param_update", _NOT_YET["delayed_param_update"]))
+    problems += _module5_problems(config)
     if problems:
         lines = "\n".join(f"  {key}: {why}" for key, why in problems)
-        raise NotImplementedError(f"this version of zero_offload cannot run this config yet:\n{lines}")
+        raise NotImplementedError(f"zero_offload cannot run this config:\n{lines}")
+
+
+def _module5_problems(config: Config) -> list[tuple[str, str]]:
+    """The overlapped pipeline and the delayed update work on the host's half of an offloaded optimizer."""
+    zero, ext, problems = config.zero_optimization, config.zero_offload, []
+    offloaded = zero.stage > 0 and zero.offload_optimizer.enabled
+    needs_offload = (
+        "it overlaps the host's Adam with the device's work, so it needs "
+        '"zero_optimization": {"stage": 1, 2 or 3, "offload_optimizer": {"device": "cpu"}}'
+    )
+    if ext.overlap_offload and not offloaded:
+        problems.append(("zero_offload.overlap_offload", needs_offload))
+    dpu = ext.delayed_param_update.enabled
+    if dpu and not offloaded:
+        problems.append(("zero_offload.delayed_param_update", needs_offload))
+    if dpu and offloaded and zero.offload_param.enabled:
+        problems.append((
+            "zero_offload.delayed_param_update",
+            "with offload_param the host's weights are what the next forward gathers, and the delayed Adam "
+            'would be rewriting them; use one or the other ("offload_param": {"device": "none"})',
+        ))  # fmt: skip
+    if dpu and offloaded and zero.offload_optimizer.ratio < 1.0:
+        problems.append((
+            "zero_offload.delayed_param_update",
+            "a partial offload updates its device units at once and would mix stale and fresh weights; "
+            "keep offload_optimizer.ratio at 1.0",
+        ))  # fmt: skip
+    if ext.cores.host and not (ext.overlap_offload or dpu):
+        problems.append((
+            "zero_offload.cores.host",
+            "only the overlapped pipeline and the delayed update run work on the host's cores; set "
+            '"overlap_offload": true, or remove cores.host',
+        ))  # fmt: skip
+    return problems
 
 
 def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: list, impl: str | None = None):
@@ -166,11 +201,31 @@ class Engine:
         self.comm.timeline = self._timeline
         if isinstance(self.states, OffloadedStates):
             self.states.transfers.timeline = self._timeline
+        self._start_module5(config)
         self.micro_steps = 0  # backward calls so far
         self.global_steps = 0  # optimizer steps taken or skipped
         self.skipped_steps = 0
         # One entry per optimizer step: loss scale, overflow, gradient norm, learning rate, Adam's seconds.
         self.history: list[dict] = []
+
+    def _start_module5(self, config: Config) -> None:
+        """Module 5: the cores each side runs on, the overlapped pipeline and the delayed update."""
+        ext = config.zero_offload
+        if ext.cores.device:  # this thread runs forward and backward: the emulated device's compute
+            os.sched_setaffinity(0, ext.cores.device)
+            torch.set_num_threads(len(ext.cores.device))
+        if ext.cores.host and self._one_pass and ext.cpu_adam.threads is None:
+            self._host_optimizer.threads = len(ext.cores.host)
+        self._pipeline = self._delayed = None
+        if not (ext.overlap_offload or ext.delayed_param_update.enabled):
+            return
+        host = HostQueue("zo-host", list(ext.cores.host) or None)
+        if ext.overlap_offload:
+            self._pipeline = OffloadPipeline(self.states, self.accelerator, host=host)
+            self._pipeline.optimizer = self._host_optimizer
+            self.states.pipeline = self._pipeline
+        if ext.delayed_param_update.enabled:
+            self._delayed = DelayedUpdate(host, ext.delayed_param_update.start_step)
 
     def _build_optimizers(self, config: Config):
         """One Adam over every master partition; with a partial offload, one on the host and one on the device.
@@ -251,6 +306,15 @@ class Engine:
             raise ValueError(
                 f"backward needs a scalar loss, got shape {tuple(loss.shape)}; reduce it first (mean)"
             )
+        if self._pipeline is not None:
+            # Adam may start before backward ends only if nothing needs the whole gradient first.
+            last = (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+            self._pipeline.eager = (
+                last
+                and not self.config.fp16.enabled
+                and self.config.gradient_clipping == 0
+                and not (self._delayed is not None and self._delayed.active(self.global_steps))
+            )
         self.states.before_backward()
         with self._timeline.span("backward"):
             (loss.float() * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
@@ -272,39 +336,79 @@ class Engine:
             "lr": self.optimizer.param_groups[0]["lr"],
             "adam_seconds": 0.0,
         }
-        if overflow:
+        if self._delayed is not None and self._delayed.active(self.global_steps):
+            self._delayed_step(record, overflow)
+        elif overflow:
             # The update is skipped whole: master weights, moments and the schedule are not touched.
             self.skipped_steps += 1
         else:
             self._update(record)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
+        if self._pipeline is not None:
+            self._pipeline.new_step()
         scaler.update(overflow)
         states.zero_grad()
         self.global_steps += 1
         self._timeline.step = self.global_steps
         self.history.append(record)
 
+    def _clip_factor(self, grads: list[torch.Tensor], record: dict) -> float:
+        norm = self.states.grad_norm(grads)
+        record["grad_norm"] = norm
+        clip = self.config.gradient_clipping
+        return clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
+
     def _update(self, record: dict) -> None:
         states = self.states
         grads = states.fp32_gradients(1.0 / self.scaler.scale)
-        norm = states.grad_norm(grads)
-        record["grad_norm"] = norm
-        clip, clip_factor = self.config.gradient_clipping, 1.0
-        if clip > 0 and norm > clip:
-            clip_factor = clip / (norm + 1e-6)
+        clip_factor = self._clip_factor(grads, record)
         start, split = time.perf_counter(), self._split
-        if self._one_pass:  # module 4: Adam and the fp16 rounding in one pass over the host partition
-            one_pass_offload_step(states, self._host_optimizer, grads[:split], clip_factor)
-        elif self._host_optimizer is not None:
-            adam_step(self._host_optimizer, states.master_params[:split], grads[:split], clip_factor)
-        end = time.perf_counter()
-        record["adam_seconds"] = end - start
-        self._timeline.add("Adam", start, end)
+        if (
+            self._pipeline is not None
+        ):  # module 5: unit by unit, overlapped with the uploads (or done already)
+            self._pipeline.update(clip_factor)
+            self._pipeline.wait()
+            record["adam_seconds"] = self._pipeline.adam_seconds
+            states.weights_uploaded = True
+        else:
+            self._host_update(grads[:split], clip_factor)
+            record["adam_seconds"] = time.perf_counter() - start
+            self._timeline.add("Adam", start, time.perf_counter())
         if split < len(grads):  # module 4's partial offload: the rest of the units are updated on the device
             with self._timeline.span("Adam"):
                 adam_step(self._device_optimizer, states.master_params[split:], grads[split:], clip_factor)
         states.publish()
+
+    def _host_update(self, grads: list[torch.Tensor], clip_factor: float) -> None:
+        """Module 3's serial Adam over the host's partition (module 4: in one pass with the rounding)."""
+        if self._one_pass:
+            one_pass_offload_step(self.states, self._host_optimizer, grads, clip_factor)
+        elif self._host_optimizer is not None:
+            adam_step(self._host_optimizer, self.states.master_params[: self._split], grads, clip_factor)
+
+    def _delayed_step(self, record: dict, overflow: bool) -> None:
+        """Module 5's delayed update: publish step t-1's update, launch step t's on the host (practice/dpu.py)."""
+        grads = [] if overflow else self.states.fp32_gradients(1.0 / self.scaler.scale)
+        clip_factor = 1.0 if overflow else self._clip_factor(grads, record)
+        self.skipped_steps += overflow
+        timeline = self._timeline
+
+        def adam(snapshot):  # runs on the host queue while forward and backward of the next step run
+            with timeline.span("Adam"):
+                self._host_update(snapshot, clip_factor)
+
+        self._delayed.step(grads, adam, self._publish_delayed, skip=overflow)
+
+    def _publish_delayed(self) -> None:
+        self.states.publish()
+        if self.lr_scheduler is not None:  # the update that just landed read the old rate: move on now
+            self.lr_scheduler.step()
+
+    def synchronize(self) -> None:
+        """Finish a delayed update still in flight and publish its weights (checkpoints call this)."""
+        if self._delayed is not None:
+            self._delayed.finish(self._publish_delayed)
 
     def zero_grad(self) -> None:
         self.states.zero_grad()
@@ -314,12 +418,14 @@ class Engine:
         """Every rank writes its shard of the model states, with what it takes to resume, into directory `path`."""
         from .implementation.checkpoint import save_checkpoint
 
+        self.synchronize()  # under a delayed update a checkpoint is a synchronisation point
         save_checkpoint(self, path)
 
     def load_checkpoint(self, path) -> None:
         """Resume from `path`, saved by any world size: shards are re-cut for this one."""
         from .implementation.checkpoint import load_checkpoint
 
+        self.synchronize()  # an update in flight must not land on top of the loaded states
         load_checkpoint(self, path)
 
     # -- reporting -------------------------------------------------------------------------------------------------

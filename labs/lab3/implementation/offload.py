@@ -22,6 +22,7 @@ each time their layer is gathered (forward and again for backward).
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections import Counter
@@ -46,6 +47,7 @@ class Transfers:
         self.accel = accel
         self.bytes: Counter[str] = Counter()  # "d2h" and "h2d"
         self.timeline = None  # module 5's practice.timeline.Timeline, when the engine keeps one
+        self._lock = threading.Lock()
 
     def _check(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> None:
         if dst.dtype != src.dtype or dst.numel() != src.numel():
@@ -61,24 +63,28 @@ class Transfers:
                 "check which buffer is the source"
             )
 
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, blocking: bool = True) -> None:
+        """Copy `src` (device) into `dst` (host). Blocking by default, because the CPU reads `dst` right after;
+        module 5's pipeline passes blocking=False and waits for the copy stream's event instead."""
         self._check(dst, src, "d2h")
-        # Blocking: the CPU reads `dst` right after (an asynchronous copy is module 5's pipeline).
         start = time.perf_counter()
-        dst.copy_(src)
-        self.bytes["d2h"] += src.numel() * src.element_size()
-        if self.timeline is not None:
-            self.timeline.add("D2H", start, time.perf_counter())
+        dst.copy_(src, non_blocking=not blocking and dst.is_pinned())
+        self._count("d2h", "D2H", src, start)
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, *, blocking: bool = False) -> None:
+        """Copy `src` (host) into `dst` (device). From pinned memory the copy runs by DMA while the CPU goes on;
+        the device's stream orders it before any kernel that reads `dst`."""
         self._check(dst, src, "h2d")
-        # From pinned memory the copy runs by DMA while the CPU goes on; the device's stream orders it
-        # before any kernel that reads `dst`.
         start = time.perf_counter()
-        dst.copy_(src, non_blocking=src.is_pinned())
-        self.bytes["h2d"] += src.numel() * src.element_size()
+        dst.copy_(src, non_blocking=not blocking and src.is_pinned())
+        self._count("h2d", "H2D", src, start)
+
+    def _count(self, direction: str, stage: str, src: torch.Tensor, start: float) -> None:
+        # The pipeline copies on its own thread while the main thread may copy too (stage 3 gathers).
+        with self._lock:
+            self.bytes[direction] += src.numel() * src.element_size()
         if self.timeline is not None:  # a non-blocking copy's span is its launch: the DMA runs on after it
-            self.timeline.add("H2D", start, time.perf_counter())
+            self.timeline.add(stage, start, time.perf_counter())
 
     def reset(self) -> None:
         self.bytes.clear()
@@ -181,6 +187,10 @@ class OffloadedStates(ShardedStates):
         self._uploads: dict[int, torch.Tensor] = {}  # stage 3: shards on their way to a gather
         # Set by module 4's one-pass CPU Adam, which writes the fp16 weights into the staging buffers itself.
         self.weights_rounded = False
+        # Module 5's overlapped pipeline (practice/pipeline.py), when on: it moves the host units' gradients
+        # down during backward and their weights up after Adam, and sets weights_uploaded.
+        self.pipeline = None
+        self.weights_uploaded = False
         super().__init__(model, accel, precision, stage, comm, zero)
 
     def _partitions_gradients(self) -> bool:
@@ -240,6 +250,8 @@ class OffloadedStates(ShardedStates):
     def _deliver_gradient(self, index: int, shard: torch.Tensor) -> None:
         if index >= self.host_units:  # updated on the device: accumulate there, as ZeRO-2 does
             return super()._deliver_gradient(index, shard)
+        if self.pipeline is not None:  # module 5: queued, backward goes on while it crosses
+            return self.pipeline.deliver(index, shard)
         gradients_to_host(
             self.transfers, shard, self.grad_staging[index], self.grad_shards[index], 1.0 / self.loss_scale()
         )
@@ -279,10 +291,19 @@ class OffloadedStates(ShardedStates):
         device.mul_(inv_scale)
         return host + self._split(device, [u.shard_numel for u in self.units[self.host_units :]])
 
+    def after_backward(self) -> None:
+        super().after_backward()
+        if self.pipeline is not None:  # every gradient on the host (and, eager, every unit updated)
+            self.pipeline.wait()
+
     def publish(self) -> None:
         rounded, self.weights_rounded = self.weights_rounded, False
+        uploaded, self.weights_uploaded = self.weights_uploaded, False
         for index in range(len(self.units)):
-            if index >= self.host_units:  # updated on the device: round there, nothing crosses the link
+            if index < self.host_units and uploaded:  # module 5's pipeline did the rounding and upload
+                if self.offload_param:
+                    continue
+            elif index >= self.host_units:  # updated on the device: round there, nothing crosses the link
                 if self.device_master is not None:
                     self.param_shards[index].copy_(self.master_params[index])
             elif self.offload_param:  # the weights stay on the host: round into the host shard, no upload

@@ -171,20 +171,25 @@ class CPUAdam(torch.optim.Optimizer):
         return loss
 
 
+def one_pass_update(optimizer: CPUAdam, master, grad, out, clip_factor: float) -> None:
+    """One unit of the offloaded step in one pass: Adam on `master` (one of the optimizer's parameters) and, in
+    the same pass, its fp16/bf16 copy written into `out` (None: fp32 training, the master is the copy)."""
+    group, state = optimizer.param_groups[0], optimizer.state[master]
+    state["step"] += 1
+    adam_update(
+        master, grad, state["exp_avg"], state["exp_avg_sq"],
+        step=int(state["step"]), lr=group["lr"], betas=group["betas"], eps=group["eps"],
+        weight_decay=group["weight_decay"], adamw=group["adamw"], bias_correction=group["bias_correction"],
+        grad_scale=clip_factor, out=out, variant=optimizer.variant, threads=optimizer.threads,
+    )  # fmt: skip
+
+
 def one_pass_offload_step(states, optimizer: CPUAdam, grads: list[torch.Tensor], clip_factor: float) -> None:
     """The offloaded step of module 3 in one pass per unit: Adam on the host partition and, in the same pass,
     the weights written into the staging buffers publish() uploads (no separate cast pass)."""
     # The optimizer's parameters are the host's units, which come first (tuning/partial.py).
-    group = optimizer.param_groups[0]
-    for index, (master, grad) in enumerate(zip(group["params"], grads, strict=True)):
+    for index, (master, grad) in enumerate(zip(optimizer.param_groups[0]["params"], grads, strict=True)):
         staging = states.param_staging[index]
-        state = optimizer.state[master]
-        state["step"] += 1
-        adam_update(
-            master, grad, state["exp_avg"], state["exp_avg_sq"],
-            step=int(state["step"]), lr=group["lr"], betas=group["betas"], eps=group["eps"],
-            weight_decay=group["weight_decay"], adamw=group["adamw"], bias_correction=group["bias_correction"],
-            grad_scale=clip_factor, out=None if staging.data_ptr() == master.data_ptr() else staging,
-            variant=optimizer.variant, threads=optimizer.threads,
-        )  # fmt: skip
+        out = None if staging.data_ptr() == master.data_ptr() else staging
+        one_pass_update(optimizer, master, grad, out, clip_factor)
     states.weights_rounded = True

@@ -1,0 +1,196 @@
+"""The overlapped offload step: copies and the CPU's Adam hide behind the device's work (module 5).
+
+Module 3's step is serial: backward, then every gradient shard down (D2H), then Adam over the whole
+partition, then every weight shard up (H2D). While the CPU runs Adam the device idles, and while the device
+runs backward the CPU idles. Here each unit's shard moves through three queues as soon as it exists:
+
+    copy stream   D2H(k)                   H2D(k)                     (the link: a DMA engine on a GPU)
+    host queue            accumulate(k) -> Adam(k)                   (the CPU, on its own cores)
+    device        backward keeps going; the all-gathers wait for the step
+
+so bucket k's Adam runs while bucket k+1 is copied down and bucket k-1's weights go up. Gradients reach the
+host during backward whenever this module is on. Adam itself can only start before backward has ended when
+nothing needs the whole gradient first: no fp16 overflow check, no clipping to the global norm, the last
+micro-batch of the accumulation, no delayed update. Otherwise it runs at the step, still overlapped with the
+uploads.
+
+Host staging is double-buffered: two slots for gradients on their way down and two for weights on their way
+up, used in turn. A slot may be written again only when the work that reads it has finished (`SlotRing`), so
+bucket k+2 never overwrites what bucket k's accumulate or upload has not read yet.
+
+On the emulated device a "stream" is a worker thread and an event a future; torch's kernels and the C Adam
+release the GIL, so this is real overlap on two cores. On CUDA the copy stream is a CUDA stream and the copies
+are asynchronous DMA from pinned memory.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..accelerator import Accelerator, Event, _WorkerStream
+from ..implementation.offload import adam_step, host_buffer
+from ..tuning.cpu_adam import CPUAdam, one_pass_update
+
+
+class HostQueue(_WorkerStream):
+    """The CPU's share of the step: one thread that runs its queue in order, optionally on `cores` only.
+
+    Pinning models a GPU and a CPU as separate processors on a machine that has only CPUs: the device's
+    compute keeps its cores, the host's Adam gets the others, and neither waits for the other's cores."""
+
+    def __init__(self, name: str, cores: list[int] | None = None):
+        super().__init__(name)
+        if cores:
+            # Threads the C Adam starts from this thread inherit its affinity.
+            self._pool.shutdown()
+            self._pool = ThreadPoolExecutor(1, name, initializer=os.sched_setaffinity, initargs=(0, cores))
+
+
+class SlotRing:
+    """`count` host buffers used in turn; the k-th use gets slot k % count.
+
+    Each slot remembers the event of the last work that reads it. Whoever writes a slot must first make its
+    stream wait for that event: otherwise bucket k + count overwrites bucket k before it has been read.
+    """
+
+    def __init__(self, buffers: list[torch.Tensor]):
+        self.buffers = buffers
+        self._readers: list[Event | None] = [None] * len(buffers)
+        self.uses = 0
+
+    def acquire(self, writer, numel: int) -> tuple[int, torch.Tensor]:
+        """The next slot, as a view of `numel` elements, with `writer` (a stream) made to wait until it is free."""
+        slot = self.uses % len(self.buffers)
+        self.uses += 1
+        # Lab 5.2: a slot is written only after its last reader has finished
+        # self._readers[slot] is the event of the work that last read this slot (None before its first use).
+        # Make `writer` wait for it (writer.wait_event(...)), so that whatever `writer` runs next cannot
+        # overwrite data that has not been read yet. Then return the slot number and the first `numel`
+        # elements of self.buffers[slot].
+        raise NotImplementedError("Lab 5.2: a slot is written only after its last reader has finished")
+
+    def release(self, slot: int, reader: Event) -> None:
+        """`reader` is the event of the last work that reads `slot` this time round."""
+        self._readers[slot] = reader
+
+
+class OffloadPipeline:
+    """Runs the offloaded part of a step (OffloadedStates' host units) through the copy stream and host queue."""
+
+    def __init__(self, states, accel: Accelerator, *, host: HostQueue, slots: int = 2):
+        self.states, self.accel = states, accel
+        self.copy = accel.new_stream("zo-copy")
+        self.host = host
+        largest = max((u.shard_numel for u in states.units[: states.host_units]), default=0)
+        pin = states.pin_optimizer
+
+        def ring(dtype):
+            return SlotRing([host_buffer(accel, largest, dtype, pin=pin) for _ in range(slots)])
+
+        self.grad_slots = ring(states.dtype)
+        # fp32 weights upload straight from the master; with offload_param they never leave the host.
+        self.weight_slots = None
+        if states.dtype != torch.float32 and not states.offload_param:
+            self.weight_slots = ring(states.dtype)
+        self.optimizer = None  # the host's Adam, set by the engine
+        self.eager = False  # Adam runs as each gradient arrives (decided per backward by the engine)
+        self.clip_factor = 1.0
+        self._pending: list[Event] = []  # what must finish before the step can go on
+        self._alive: list[torch.Tensor] = []  # device shards whose copies may still be reading them
+        self._uploads: list = []  # (index, slot, source, Adam's event) not yet on the copy stream
+        self.updated: set[int] = set()  # units whose Adam has been queued this step
+        self.adam_seconds = 0.0
+
+    # -- backward: called by OffloadedStates as each reduced shard is ready -----------------------------------
+    def deliver(self, index: int, shard: torch.Tensor) -> None:
+        """Schedule unit `index`'s gradient shard: down the link, into the fp32 partition, and (eager) Adam."""
+        states, transfers = self.states, self.states.transfers
+        # Lab 5.1: the double-buffered bucket schedule
+        # 1. slot, staging = self.grad_slots.acquire(self.copy, shard.numel()): a free staging slot, with the
+        #    copy stream made to wait until it is free (Lab 5.2).
+        # 2. down = self.copy.submit(transfers.to_host, staging, shard, blocking=False): the D2H copy, on the
+        #    copy stream, so that backward goes on while it runs.
+        # 3. The host must not read the slot before the copy has landed: self.host.wait_event(down). Then
+        #    done = self.host.submit(self._accumulate, index, staging, 1.0 / states.loss_scale()) adds it,
+        #    unscaled, into the fp32 gradient partition.
+        # 4. The accumulate is the slot's last reader: self.grad_slots.release(slot, done). Keep `shard` alive
+        #    (append it to self._alive) until the copy has read it, and append `done` to self._pending.
+        # 5. When self.eager, the unit's Adam and upload follow at once: self._update_unit(index).
+        raise NotImplementedError("Lab 5.1: the double-buffered bucket schedule")
+
+    def _accumulate(self, index: int, staging: torch.Tensor, inv_scale: float) -> None:
+        self.states.grad_shards[index].add_(staging, alpha=inv_scale)
+
+    # -- the step ------------------------------------------------------------------------------------------
+    def update(self, clip_factor: float) -> None:
+        """Adam over every host unit not yet updated, each unit's upload overlapping the next unit's Adam."""
+        self.clip_factor = clip_factor
+        for index in range(self.states.host_units):
+            if index not in self.updated:
+                self._update_unit(index)
+        self._submit_uploads()
+
+    def _update_unit(self, index: int) -> None:
+        """Queue Adam on unit `index` behind what the host queue already holds, then its weights' upload."""
+        states = self.states
+        self.updated.add(index)
+        slot, out = None, None
+        if states.offload_param:
+            out = states.param_shards[index]  # the weights live on the host: rounded in place, gathered later
+        elif self.weight_slots is not None:  # fp16/bf16: rounded into an upload slot in the same pass
+            slot, out = self.weight_slots.acquire(self.host, states.units[index].shard_numel)
+        adam = self.host.submit(self._adam, index, out)
+        self._pending.append(adam)
+        if not states.offload_param:
+            source = out if out is not None else states.master_params[index]  # fp32: the master itself
+            self._uploads.append((index, slot, source, adam))
+            if self.copy.waits_without_blocking:
+                self._submit_uploads()
+
+    def _submit_uploads(self) -> None:
+        """Queue the uploads whose Adam has been queued.
+
+        A worker-thread stream waits for the host's event on its own thread; a CUDA stream cannot wait for a
+        host thread without blocking ours, so on CUDA the uploads are queued at the step, after backward."""
+        uploads, self._uploads = self._uploads, []
+        for index, slot, source, adam in uploads:
+            self.copy.wait_event(adam)
+            target = self.states.param_shards[index]
+            up = self.copy.submit(self.states.transfers.to_device, target, source, blocking=False)
+            if slot is not None:
+                self.weight_slots.release(slot, up)
+            self._pending.append(up)
+
+    def _adam(self, index: int, out: torch.Tensor | None) -> None:
+        states, optimizer = self.states, self.optimizer
+        master, grad = states.master_params[index], states.grad_shards[index]
+        start = time.perf_counter()
+        if isinstance(optimizer, CPUAdam):  # module 4: Adam and the rounding in one pass
+            one_pass_update(optimizer, master, grad, out, self.clip_factor)
+        else:
+            adam_step(optimizer, [master], [grad], self.clip_factor)
+            if out is not None:
+                out.copy_(master)
+        end = time.perf_counter()
+        self.adam_seconds += end - start
+        if states.transfers.timeline is not None:
+            states.transfers.timeline.add("Adam", start, end)
+
+    def wait(self) -> None:
+        """Block until everything scheduled has finished; an error raised on a queue surfaces here."""
+        self._submit_uploads()
+        pending, self._pending = self._pending, []
+        try:
+            for event in pending:
+                event.wait()
+        finally:
+            self._alive = []
+
+    def new_step(self) -> None:
+        """Forget the last step's bookkeeping (call after wait())."""
+        self.updated = set()
+        self.adam_seconds = 0.0

@@ -1,0 +1,68 @@
+"""Delayed parameter update (DPU): the CPU's Adam of step t runs during the forward and backward of step t+1.
+
+With a small batch the device's forward and backward are short and the CPU's Adam is long; even overlapped
+with the copies (pipeline.py) the device waits for it at every step. The ZeRO-Offload paper's answer is to
+let the update lag by one step:
+
+    step t     backward(t) -> gradients g_t to the host -> launch Adam(g_t) on the host, do not wait
+    step t+1   forward/backward(t+1) on the weights of step t-1's update, while Adam(g_t) runs
+               -> wait for Adam(g_t), publish its weights, launch Adam(g_t+1)
+
+so the gradient applied at step t+1 was computed on weights one update old: w_t+2 = Adam(w_t+1, grad(w_t)).
+The first `start_step` steps run synchronously, because early updates are large and a stale gradient hurts
+most then (the paper turns DPU on after a few dozen steps). Adam reads a snapshot of the gradients, since the
+next backward accumulates into the live buffer while Adam runs.
+
+A checkpoint, or anything else that must see the current weights, calls `finish`: it waits and publishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..accelerator import Event
+
+
+class DelayedUpdate:
+    """Keeps at most one update in flight on the host queue."""
+
+    def __init__(self, host, start_step: int):
+        self.host, self.start_step = host, start_step
+        self.in_flight: Event | None = None
+        self.snapshot: list[torch.Tensor] | None = None  # the gradients the update in flight reads
+
+    def active(self, step: int) -> bool:
+        return step >= self.start_step
+
+    def step(self, grads: list[torch.Tensor], adam: Callable[[list[torch.Tensor]], None],
+             publish: Callable[[], None], *, skip: bool) -> None:  # fmt: skip
+        """One optimizer step under DPU: finish the previous update, then launch `adam` on this one's gradients.
+
+        `adam(snapshot)` updates the host's fp32 masters from the gradient tensors it is given; `publish()`
+        puts the updated weights where forward reads them; `skip` is true for a step with an fp16 overflow."""
+        # BEGIN LAB 5.3: the delayed parameter update
+        # 1. Finish the previous step's update first: self.finish(publish) waits for it and publishes its
+        #    weights (forward t+1 must read them, and Adam must not run twice at once on the same masters).
+        # 2. Unless `skip`: copy `grads` into self.snapshot (allocate it on first use: one torch.empty_like per
+        #    gradient tensor), because the next backward accumulates into `grads` while Adam runs. Then launch
+        #    Adam on the snapshot without waiting: self.in_flight = self.host.submit(adam, self.snapshot).
+        self.finish(publish)
+        if skip:
+            return
+        if self.snapshot is None:
+            self.snapshot = [torch.empty_like(g) for g in grads]
+        for saved, grad in zip(self.snapshot, grads, strict=True):
+            saved.copy_(grad)
+        self.in_flight = self.host.submit(adam, self.snapshot)
+        # END LAB 5.3
+
+    def finish(self, publish: Callable[[], None]) -> bool:
+        """Wait for the update in flight and publish it; True if there was one."""
+        if self.in_flight is None:
+            return False
+        event, self.in_flight = self.in_flight, None
+        event.wait()
+        publish()
+        return True

@@ -1,0 +1,267 @@
+"""Module 5: the overlapped offload pipeline and the delayed parameter update.
+
+The pipeline changes only *when* each piece runs, never what it computes: every run here must end with the
+same weights, bit for bit, as module 3's serial step. The delayed update changes what is computed, in one
+precise way: after its warm-up, each step applies a gradient taken on the weights one update old, and an
+explicit reference written with plain torch does exactly that.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from corpus import fixed_corpus
+from distributed import check, run_ranks
+from training import BATCH, SEQ, make_config, train_run
+
+import zero_offload as zo
+from zero_offload.accelerator import EmulatedAccelerator
+from zero_offload.config import ConfigError
+from zero_offload.practice.pipeline import HostQueue, SlotRing
+from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss
+
+CPU = {"device": "cpu"}
+
+
+def _config(stage, precision="fp32", *, overlap=False, impl="simd", clip=0.0, ext=None, **zero):
+    zero.setdefault("offload_optimizer", CPU)
+    config = make_config(stage, precision, **zero)
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    config["gradient_clipping"] = clip
+    config["zero_offload"] = {"cpu_adam": {"impl": impl}, "overlap_offload": overlap, **(ext or {})}
+    return config
+
+
+def _same_weights(a: dict, b: dict) -> list[str]:
+    """Names of the weights that differ in any bit."""
+    return [name for name in b if not torch.equal(a[name], b[name])]
+
+
+def _serial_and_overlapped(rank, world_size, stage, precision, steps, accumulation, kwargs):
+    return [
+        train_run(rank, world_size, _config(stage, precision, overlap=overlap, **kwargs), steps, accumulation)
+        for overlap in (False, True)
+    ]
+
+
+CASES = {  # name -> (stage, precision, accumulation, extra config)
+    "stage1-fp32": (1, "fp32", 1, {}),
+    "stage2-fp32": (2, "fp32", 1, {}),
+    "stage3-fp32": (3, "fp32", 1, {}),
+    "stage2-bf16": (2, "bf16", 1, {}),
+    "stage2-fp16-clip": (2, "fp16", 1, {"clip": 0.5}),
+    "stage2-fp32-accumulate-torch-adam": (2, "fp32", 3, {"impl": "torch"}),
+    "stage3-fp16-offload-param": (3, "fp16", 1, {"offload_param": CPU}),
+    "stage2-fp32-partial-offload": (2, "fp32", 1, {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_overlapped_pipeline_trains_bit_for_bit_like_the_serial_step(case):
+    stage, precision, accumulation, kwargs = CASES[case]
+    serial, overlapped = _serial_and_overlapped(0, 1, stage, precision, 6, accumulation, kwargs)
+    assert not _same_weights(overlapped["weights"], serial["weights"])
+    assert overlapped["losses"] == serial["losses"]
+    assert overlapped["norms"] == serial["norms"]
+    assert overlapped["pcie"] == serial["pcie"]  # the same bytes cross, only earlier
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_overlapped_pipeline_on_two_ranks_equals_the_serial_step(stage):
+    for serial, overlapped in check(run_ranks(_serial_and_overlapped, 2, stage, "fp32", 4, 1, {})):
+        assert not _same_weights(overlapped["weights"], serial["weights"])
+        assert overlapped["losses"] == serial["losses"]
+
+
+def _engine(config, model_name="nano"):
+    return zo.initialize(TinyGPT(model_name, seed=0), config, accelerator=EmulatedAccelerator())
+
+
+def _train(engine, steps, start=0):
+    data = ByteBatches(fixed_corpus(), SEQ, seed=11)
+    losses = []
+    for step in range(start, start + steps):
+        x, y = data.micro_batch(step, BATCH, micro_step=0, rank=0, world_size=1, accumulation=1)
+        loss = lm_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _spans(engine, stage):
+    return [s for s in engine._timeline.spans if s.stage == stage]
+
+
+def test_without_clipping_adam_runs_while_backward_is_still_running():
+    engine = _engine(_config(2, overlap=True))
+    _train(engine, 2)
+    backward = [s for s in _spans(engine, "backward") if s.step == 1][0]
+    adam = [s for s in _spans(engine, "Adam") if s.step == 1]
+    assert len(adam) == len(engine.states.units)  # unit by unit, not one call over the partition
+    assert adam[0].start < backward.end, "the first unit's Adam should start before backward ends"
+    down = [s for s in _spans(engine, "D2H") if s.step == 1]
+    assert down[0].start < backward.end
+
+
+def test_with_clipping_adam_waits_for_the_global_norm():
+    engine = _engine(_config(2, overlap=True, clip=0.5))
+    _train(engine, 2)
+    backward = [s for s in _spans(engine, "backward") if s.step == 1][0]
+    adam = [s for s in _spans(engine, "Adam") if s.step == 1]
+    assert min(s.start for s in adam) >= backward.end  # every unit needs the norm of all of them
+    assert [s for s in _spans(engine, "D2H") if s.step == 1][0].start < backward.end  # copies still overlap
+
+
+def test_the_host_stages_through_two_slots_of_the_largest_unit():
+    engine = _engine(_config(2, "fp16", overlap=True))
+    _train(engine, 1)
+    pipeline, states = engine._pipeline, engine.states
+    largest = max(u.shard_numel for u in states.units)
+    for ring in (pipeline.grad_slots, pipeline.weight_slots):
+        assert len(ring.buffers) == 2
+        assert all(b.numel() == largest and b.dtype == torch.float16 for b in ring.buffers)
+        assert not any(engine.accelerator.is_on_device(b) for b in ring.buffers)
+        assert ring.uses == len(states.units)  # one use per unit and step, taken in turn
+
+
+class _SlowReader:
+    """A stream whose work runs `delay` seconds late, so a writer that does not wait for it overtakes it."""
+
+    def __init__(self, delay):
+        self.queue, self.delay = HostQueue("slow-reader"), delay
+
+    def submit(self, fn, *args):
+        def late():
+            time.sleep(self.delay)
+            return fn(*args)
+
+        return self.queue.submit(late)
+
+
+def test_a_slot_is_not_written_again_before_its_reader_has_read_it():
+    ring = SlotRing([torch.zeros(4), torch.zeros(4)])
+    writer, reader, seen = HostQueue("writer"), _SlowReader(0.02), []
+    lock = threading.Lock()
+
+    def read(buffer, k):
+        with lock:
+            seen.append((k, int(buffer[0])))
+
+    events = []
+    for k in range(6):
+        slot, buffer = ring.acquire(writer, 4)
+        written = writer.submit(buffer.fill_, k)
+        reader.queue.wait_event(written)
+        done = reader.submit(read, buffer, k)
+        ring.release(slot, done)
+        events.append(done)
+    for event in events:
+        event.wait()
+    assert sorted(seen) == [(k, k) for k in range(6)]
+
+
+def test_an_error_on_the_host_queue_surfaces_at_the_step_and_the_next_step_is_not_attempted(monkeypatch):
+    engine = _engine(_config(2, overlap=True))
+    _train(engine, 1)
+
+    def broken(index, out):
+        raise RuntimeError("host Adam failed")
+
+    monkeypatch.setattr(engine._pipeline, "_adam", broken)
+    with pytest.raises(RuntimeError, match="host Adam failed"):
+        _train(engine, 1, start=1)
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        (_config(0, overlap=True, offload_optimizer={"device": "none"}), "zero_offload.overlap_offload"),
+        (_config(2, overlap=True, offload_optimizer={"device": "none"}), "zero_offload.overlap_offload"),
+        (
+            _config(3, offload_param=CPU, ext={"delayed_param_update": {"enabled": True}}),
+            "zero_offload.delayed_param_update",
+        ),
+        (
+            _config(
+                2,
+                offload_optimizer={"device": "cpu", "ratio": 0.5},
+                ext={"delayed_param_update": {"enabled": True}},
+            ),
+            "zero_offload.delayed_param_update",
+        ),  # fmt: skip
+        (_config(2, ext={"cores": {"host": [0]}}), "zero_offload.cores.host"),
+    ],
+)
+def test_impossible_module5_combinations_are_refused_with_the_fix(config, key):
+    with pytest.raises(NotImplementedError, match=key.replace(".", r"\.")):
+        _engine(config)
+
+
+def test_cores_that_overlap_or_do_not_exist_are_config_errors():
+    with pytest.raises(ConfigError, match="share core"):
+        zo.config.load_config(_config(2, overlap=True, ext={"cores": {"device": [0], "host": [0]}}))
+    with pytest.raises(ConfigError, match="not among the cores"):
+        zo.config.load_config(_config(2, overlap=True, ext={"cores": {"host": [4096]}}))
+
+
+# -- the delayed parameter update ---------------------------------------------------------------------------
+def _stale_reference(steps, start):
+    """Plain torch: gradients of step t are taken on the weights the delayed engine shows at step t.
+
+    Up to step `start` those are the current weights; after it, the weights one update old."""
+    model = TinyGPT("nano", seed=0)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-3, eps=1e-3, weight_decay=0.01)
+    data = ByteBatches(fixed_corpus(), SEQ, seed=11)
+    visible = [p.detach().clone() for p in params]
+    losses = []
+    for step in range(steps):
+        current = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, v in zip(params, visible, strict=True):
+                p.copy_(v)
+        x, y = data.micro_batch(step, BATCH, micro_step=0, rank=0, world_size=1, accumulation=1)
+        loss = lm_loss(model(x), y)
+        model.zero_grad()
+        loss.backward()
+        losses.append(float(loss.detach()))
+        with torch.no_grad():
+            for p, c in zip(params, current, strict=True):
+                p.copy_(c)
+        optimizer.step()
+        visible = [p.detach().clone() for p in params] if step + 1 <= start else current
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_delayed_update_is_exact_during_warm_up_and_one_step_stale_after(overlap):
+    steps, start = 8, 3
+    dpu = {"delayed_param_update": {"enabled": True, "start_step": start}}
+    plain = _train(_engine(_config(2, overlap=overlap, impl="torch")), steps)
+    engine = _engine(_config(2, overlap=overlap, impl="torch", ext=dpu))
+    delayed = _train(engine, steps)
+    engine.synchronize()  # the last update is still in flight
+    # Steps 0..start compute on the same weights; from start + 1 on the delayed run sees older ones.
+    assert delayed[: start + 1] == plain[: start + 1]
+    assert all(d != p for d, p in zip(delayed[start + 1 :], plain[start + 1 :], strict=True))
+    ref_losses, ref_weights = _stale_reference(steps, start)
+    assert delayed == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for name, param in engine.model.named_parameters():
+        torch.testing.assert_close(param.detach().float(), ref_weights[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_under_the_delayed_update_resumes_exactly(tmp_path):
+    dpu = {"delayed_param_update": {"enabled": True, "start_step": 1}}
+    config = _config(2, "fp16", impl="simd", ext=dpu)
+    engine = _engine(config)
+    _train(engine, 3)
+    engine.save_checkpoint(tmp_path / "ckpt")  # waits for the update in flight and publishes it
+    continued = _train(engine, 3, start=3)
+    resumed_engine = _engine(config)
+    resumed_engine.load_checkpoint(tmp_path / "ckpt")
+    assert _train(resumed_engine, 3, start=3) == continued
