@@ -194,7 +194,10 @@ def test_an_error_on_the_host_queue_surfaces_at_the_step_and_the_next_step_is_no
             ),
             "zero_offload.delayed_param_update",
         ),  # fmt: skip
-        (_config(2, ext={"cores": {"host": [0]}}), "zero_offload.cores.host"),
+        (
+            _config(2, offload_optimizer={"device": "none"}, ext={"cores": {"host": [0]}}),
+            "zero_offload.cores.host",
+        ),
     ],
 )
 def test_impossible_module5_combinations_are_refused_with_the_fix(config, key):
@@ -205,7 +208,7 @@ def test_impossible_module5_combinations_are_refused_with_the_fix(config, key):
 def test_cores_that_overlap_or_do_not_exist_are_config_errors():
     with pytest.raises(ConfigError, match="share core"):
         zo.config.load_config(_config(2, overlap=True, ext={"cores": {"device": [0], "host": [0]}}))
-    with pytest.raises(ConfigError, match="not among the cores"):
+    with pytest.raises(ConfigError, match="not among this machine's cores"):
         zo.config.load_config(_config(2, overlap=True, ext={"cores": {"host": [4096]}}))
 
 

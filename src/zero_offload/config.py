@@ -657,7 +657,8 @@ def _extension(s: _Section) -> ExtensionConfig:
 
 
 def _cores(s: _Section) -> CoresConfig:
-    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    # All of the machine's cores, not this thread's affinity: an engine made earlier may have pinned this thread.
+    usable = list(range(os.cpu_count() or 1)) if hasattr(os, "sched_setaffinity") else []
     picked = {}
     for side in ("device", "host"):
         cores = s.get(side, list, [])
@@ -669,8 +670,8 @@ def _cores(s: _Section) -> CoresConfig:
         if bad:
             raise ConfigError(
                 s.key(side),
-                f"{s.key(side)} = {json.dumps(cores)}: {json.dumps(bad)} not among the cores this process may "
-                f"use ({', '.join(map(str, usable))})",
+                f"{s.key(side)} = {json.dumps(cores)}: {json.dumps(bad)} not among this machine's cores "
+                f"(0 to {len(usable) - 1})",
             )
         picked[side] = tuple(cores)
     s.done()

@@ -95,12 +95,9 @@ def _module5_problems(config: Config) -> list[tuple[str, str]]:
             "a partial offload updates its device units at once and would mix stale and fresh weights; "
             "keep offload_optimizer.ratio at 1.0",
         ))  # fmt: skip
-    if ext.cores.host and not (ext.overlap_offload or dpu):
-        problems.append((
-            "zero_offload.cores.host",
-            "only the overlapped pipeline and the delayed update run work on the host's cores; set "
-            '"overlap_offload": true, or remove cores.host',
-        ))  # fmt: skip
+    if ext.cores.host and not offloaded:
+        problems.append(("zero_offload.cores.host", "the host's cores run the offloaded Adam; there is none "
+                         'without "offload_optimizer": {"device": "cpu"}; remove cores.host'))  # fmt: skip
     return problems
 
 
@@ -216,10 +213,11 @@ class Engine:
             torch.set_num_threads(len(ext.cores.device))
         if ext.cores.host and self._one_pass and ext.cpu_adam.threads is None:
             self._host_optimizer.threads = len(ext.cores.host)
-        self._pipeline = self._delayed = None
-        if not (ext.overlap_offload or ext.delayed_param_update.enabled):
+        self._pipeline = self._delayed = self._host_queue = None
+        if not (ext.overlap_offload or ext.delayed_param_update.enabled or ext.cores.host):
             return
-        host = HostQueue("zo-host", list(ext.cores.host) or None)
+        # The host's work runs on a queue of its own; with cores.host, on those cores only.
+        self._host_queue = host = HostQueue("zo-host", list(ext.cores.host) or None)
         if ext.overlap_offload:
             self._pipeline = OffloadPipeline(self.states, self.accelerator, host=host)
             self._pipeline.optimizer = self._host_optimizer
@@ -372,7 +370,10 @@ class Engine:
             record["adam_seconds"] = self._pipeline.adam_seconds
             states.weights_uploaded = True
         else:
-            self._host_update(grads[:split], clip_factor)
+            if self._host_queue is not None:  # serial, on the host's own cores: the device waits meanwhile
+                self._host_queue.submit(self._host_update, grads[:split], clip_factor).wait()
+            else:
+                self._host_update(grads[:split], clip_factor)
             record["adam_seconds"] = time.perf_counter() - start
             self._timeline.add("Adam", start, time.perf_counter())
         if split < len(grads):  # module 4's partial offload: the rest of the units are updated on the device

@@ -63,7 +63,7 @@ LABS: dict[int, Lab] = {lab.number: lab for lab in (
         Task("4.1", "The AVX2 FMA loop in fp32", 34),
         Task("4.2", "The fp16 weight output with F16C", 33),
         Task("4.3", "The scalar tail", 33))),
-    Lab(5, "practice", "实战篇 practice: overlapped transfers, delayed parameter update", False, (
+    Lab(5, "practice", "实战篇 practice: overlapped transfers, delayed parameter update", True, (
         Task("5.1", "The double-buffered bucket schedule", 34),
         Task("5.2", "Event ordering so no buffer is overwritten early", 33),
         Task("5.3", "Delayed parameter update", 33))),

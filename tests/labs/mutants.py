@@ -480,3 +480,77 @@ MUTANTS.update(
         ],
     }
 )
+
+
+_CODE = "\n        "  # a line of code in a method, not a comment that mentions it
+
+MUTANTS.update(
+    {
+        "5.1": [
+            (
+                "copies on backward's thread instead of the copy stream",
+                """
+            slot, staging = self.grad_slots.acquire(self.copy, shard.numel())
+            transfers.to_host(staging, shard)
+            done = self.host.submit(self._accumulate, index, staging, 1.0 / states.loss_scale())
+            self.grad_slots.release(slot, done)
+            self._pending.append(done)
+            if self.eager:
+                self._update_unit(index)
+        """,
+            ),
+            # Each `old` starts at a line's indentation: the comments above the code name the same calls.
+            (
+                "the host reads the slot without waiting for the copy",
+                (_CODE + "self.host.wait_event(down)", _CODE + "pass"),
+            ),
+            ("backward waits for every copy", (_CODE + "self.host.wait_event(down)", _CODE + "down.wait()")),
+            (
+                "the slot is never handed back",
+                (_CODE + "self.grad_slots.release(slot, done)", _CODE + "pass"),
+            ),
+            ("Adam never starts during backward", ("    self._update_unit(index)\n", "    pass\n")),
+        ],
+        "5.2": [
+            ("never waits for the slot's reader", ("writer.wait_event(reader)", "pass")),
+            (
+                "hands out the whole buffer, not a view of the shard's size",
+                ("self.buffers[slot][:numel]", "self.buffers[slot]"),
+            ),
+        ],
+        "5.3": [
+            (
+                "Adam reads the live gradients",
+                """
+            self.finish(publish)
+            if skip:
+                return
+            self.in_flight = self.host.submit(adam, grads)
+        """,
+            ),
+            (
+                "launches before the previous update has landed",
+                """
+            if skip:
+                self.finish(publish)
+                return
+            if self.snapshot is None:
+                self.snapshot = [torch.empty_like(g) for g in grads]
+            for saved, grad in zip(self.snapshot, grads, strict=True):
+                saved.copy_(grad)
+            launched = self.host.submit(adam, self.snapshot)
+            self.finish(publish)
+            self.in_flight = launched
+        """,
+            ),
+            (
+                "waits for its own update: nothing is delayed",
+                (
+                    _CODE + "self.in_flight = self.host.submit(adam, self.snapshot)",
+                    _CODE + "self.host.submit(adam, self.snapshot).wait()",
+                ),
+            ),
+            ("a skipped step still launches", ("if skip:", "if False:")),
+        ],
+    }
+)

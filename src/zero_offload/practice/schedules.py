@@ -1,0 +1,141 @@
+"""Serial, overlapped, delayed: one training step under module 5's three schedules, timed side by side.
+
+    serial        module 3: backward, then D2H, Adam, H2D one after the other; the device waits for the CPU
+    overlapped    pipeline.py: each unit's copies and Adam start as soon as its gradient exists
+    delayed       dpu.py: the CPU's Adam of step t runs during forward and backward of step t+1
+
+The gain depends on who has which cores. A GPU and a CPU are separate processors, so on a machine with only
+CPUs `cores="split"` gives the emulated device's compute (this thread, torch's ops) its own core and the host's
+Adam the others. With `cores="shared"` both phases use every core; overlapping them then mostly swaps one
+phase's cores for the other's, and the gain shrinks to what the serial phases left idle.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .. import initialize
+from ..accelerator import EmulatedAccelerator
+from ..workloads import ByteBatches, TinyGPT, gpt_config, lm_loss, load_corpus
+
+SCHEDULES = {
+    "serial": {},
+    "overlapped": {"overlap_offload": True},
+    "delayed (DPU)": {"overlap_offload": True, "delayed_param_update": {"enabled": True, "start_step": 2}},
+}
+
+
+def split_cores() -> tuple[list[int], list[int]] | None:
+    """(device cores, host cores): the first usable core for the device, the rest for the host; None if only one."""
+    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return (usable[:1], usable[1:]) if len(usable) >= 2 else None
+
+
+@contextmanager
+def _restored_threads():
+    """The engines pin this thread and set torch's thread count; give both back afterwards."""
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+
+
+def _config(batch: int, schedule: dict, pinned: tuple | None, impl: str) -> dict:
+    extension = {"cpu_adam": {"impl": impl}, **schedule}
+    if pinned is not None:
+        extension["cores"] = {"device": pinned[0], "host": pinned[1]}
+    return {
+        "train_batch_size": batch,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        # Buckets of about one block, reduced as soon as they fill: gradients leave while backward runs.
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "overlap_comm": True,
+                              "reduce_bucket_size": 1_000_000},  # fmt: skip
+        "zero_offload": extension,
+    }
+
+
+def compare_schedules(
+    model: str = "10m",
+    *,
+    batch: int = 1,
+    seq_len: int = 32,
+    steps: int = 4,
+    rounds: int = 5,
+    cores: str = "split",
+    impl: str = "simd",
+    out_dir: str | Path | None = None,
+) -> dict:
+    """Median ms per step of each schedule (rounds interleaved), the losses, and each one's timeline plot.
+
+    Small batches make the step optimizer-heavy: the device's work shrinks with the batch, Adam's does not."""
+    if cores not in ("split", "shared"):
+        raise ValueError(f"cores must be 'split' or 'shared', got {cores!r}")
+    pinned = split_cores() if cores == "split" else None  # read before the first engine pins this thread
+    if cores == "split" and pinned is None:
+        raise RuntimeError("cores='split' needs at least two usable cores; use cores='shared'")
+    cfg = gpt_config(model, seq_len=seq_len)
+    data = ByteBatches(load_corpus(), seq_len, seed=0)
+    with _restored_threads():
+        if cores == "shared":
+            torch.set_num_threads(len(os.sched_getaffinity(0)))
+        engines = {
+            name: initialize(TinyGPT(cfg, seed=0), _config(batch, schedule, pinned, impl),
+                             accelerator=EmulatedAccelerator())  # fmt: skip
+            for name, schedule in SCHEDULES.items()
+        }
+        done = dict.fromkeys(engines, 0)
+        losses: dict[str, list[float]] = {name: [] for name in engines}
+
+        def run(name: str, count: int) -> float:
+            engine, start = engines[name], time.perf_counter()
+            for _ in range(count):
+                x, y = data.global_batch(done[name], batch)
+                loss = lm_loss(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+                losses[name].append(float(loss.detach()))
+                done[name] += 1
+            return (time.perf_counter() - start) / count * 1000
+
+        for name in engines:
+            run(name, 3)  # warm-up: first-touch faults, the C build, the delayed update's warm-up steps
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in tqdm(range(rounds), desc=f"schedules, {cores} cores", unit="round"):
+            for name in engines:
+                times[name].append(run(name, steps))
+        for engine in engines.values():
+            engine.synchronize()
+        plots = {}
+        if out_dir is not None:
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            for name, engine in engines.items():
+                slug = name.split()[0]
+                plots[name] = str(
+                    engine.timeline(out / f"timeline_{slug}_{cores}.png", title=f"{name}, {cores} cores")
+                    and out / f"timeline_{slug}_{cores}.png"
+                )
+    ms = {name: statistics.median(values) for name, values in times.items()}
+    return {
+        "model": model,
+        "params": cfg.num_params(),
+        "batch": batch,
+        "seq_len": seq_len,
+        "cores": cores,
+        "median_ms": ms,
+        "overlapped_vs_serial": ms["serial"] / ms["overlapped"],
+        "delayed_vs_overlapped": ms["overlapped"] / ms["delayed (DPU)"],
+        "losses": losses,
+        "plots": plots,
+    }
