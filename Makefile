@@ -9,7 +9,7 @@ LAB_DIR ?= labs
 PYTEST_WORKERS ?= 2
 
 .PHONY: install test demo build labs lessons jupyter bench lint gpu-check clean \
-        lab1 lab2 lab3 lab4 lab5
+        lab1 lab2 lab3 lab4 lab5 train-multinode
 
 install: $(STAMP)
 
@@ -26,6 +26,12 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/zo demo
+
+# Two torchrun "nodes" on this machine, one rank each, meeting on loopback: the multi-node path without a second
+# machine. Report, plots and checkpoints in out/train-multinode/.
+train-multinode: $(STAMP)
+	$(PY) tools/train_multinode.py --nodes 2 -- --model tiny --steps 60 --eval-every 20 --save-every 20 \
+		--out out/train-multinode
 
 # Compile the C CPU Adam now (it is otherwise compiled on first use, into ~/.cache/zero_offload).
 build: $(STAMP)

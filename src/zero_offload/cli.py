@@ -130,13 +130,19 @@ def _check_config(args) -> int:
 
 def _train(args) -> int:
     from .config import ConfigError
-    from .practice.trainer import train
+    from .implementation.checkpoint import CheckpointError
+    from .practice.trainer import RankLostError, train
 
     try:
-        train(args.config, model=args.model, steps=args.steps, out=args.out, seed=args.seed)
-    except (ConfigError, NotImplementedError, ValueError) as err:
+        train(args.config, model=args.model, steps=args.steps, out=args.out, seed=args.seed,
+              eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
+              keep=args.keep, resume=args.resume, timeout=args.timeout)  # fmt: skip
+    except (ConfigError, CheckpointError, NotImplementedError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RankLostError as err:  # not the user's input: the job failed, and says how to resume
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -218,9 +224,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     train.add_argument("--config", required=True, help="path to a DeepSpeed-style JSON config")
     train.add_argument("--model", default="tiny", help="model preset: nano, tiny, small, 10m, 100m, 1b")
-    train.add_argument("--steps", type=int, default=100)
-    train.add_argument("--out", default="out/train")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--steps", type=int, default=100, help="train up to this step (with --resume: in all)")
+    train.add_argument("--out", default="out/train", help="report, plots and checkpoints/ go here")
+    train.add_argument("--seed", type=int, default=0, help="initial weights and data order")
+    train.add_argument("--eval-every", type=int, default=0, metavar="N",
+                       help="evaluate on held-out text every N steps and at the end (0: never)")  # fmt: skip
+    train.add_argument(
+        "--eval-batches", type=int, default=4, metavar="B", help="global batches an evaluation reads"
+    )
+    train.add_argument("--save-every", type=int, default=0, metavar="N",
+                       help="checkpoint to OUT/checkpoints/step_<n> every N steps and at the end (0: never)")  # fmt: skip
+    train.add_argument("--keep", type=int, default=2, help="checkpoints to keep, newest first")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest complete checkpoint under OUT/checkpoints")  # fmt: skip
+    train.add_argument("--timeout", type=float, metavar="SECONDS",
+                       help="how long a collective waits for a rank that stopped answering "
+                            "(default: ZO_DIST_TIMEOUT, else 300)")  # fmt: skip
 
     bench = sub.add_parser("bench", help="benchmarks, reported as ratios from one run (out/bench/)")
     bench.add_argument("--out", default="out/bench")

@@ -77,17 +77,33 @@ def plot_model_states(
     return _save(fig, path)
 
 
-def plot_losses(series: Mapping[str, Sequence[float]], path: str | Path, *, title: str) -> Path:
-    """Training loss against step, one line per run."""
+LOSS_LABEL = "loss (cross-entropy, nats/byte)"
+
+
+def plot_curves(
+    curves: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    path: str | Path,
+    *,
+    title: str,
+    ylabel: str,
+    xlabel: str = "step",
+) -> Path:
+    """One line per label through its (x, y) points; a curve of few points (an eval every N steps) gets markers."""
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for label, losses in series.items():
-        ax.plot(range(1, len(losses) + 1), losses, label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (cross-entropy, nats/byte)")
+    for label, (xs, ys) in curves.items():
+        ax.plot(xs, ys, label=label, marker="o" if len(xs) <= 20 else None, markersize=4)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(fig, path)
+
+
+def plot_losses(series: Mapping[str, Sequence[float]], path: str | Path, *, title: str) -> Path:
+    """Training loss against step (1, 2, ...), one line per run."""
+    curves = {label: (range(1, len(losses) + 1), losses) for label, losses in series.items()}
+    return plot_curves(curves, path, title=title, ylabel=LOSS_LABEL)
 
 
 def plot_bars(

@@ -11,7 +11,9 @@ With one process there is nobody to talk to: the collectives become local copies
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
+import socket
 import time
 from collections import Counter
 
@@ -152,13 +154,32 @@ class CommunicationError(RuntimeError):
 def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> Comm:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 
-    gloo on CPU, NCCL on CUDA. A dead rank makes the others fail after `timeout_s` (ZO_DIST_TIMEOUT, default
-    300 s) instead of hanging forever.
+    gloo on CPU, NCCL on CUDA. A rank that hangs makes the others fail after `timeout_s` (ZO_DIST_TIMEOUT,
+    default 300 s) instead of waiting forever; one that dies makes them fail at once. The device is chosen by
+    LOCAL_RANK (the rank on this node), which equals RANK only on the first node.
     """
     if not dist.is_initialized():
         timeout_s = timeout_s or float(os.environ.get("ZO_DIST_TIMEOUT", "300"))
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "gloo":
+            _gloo_on_loopback()
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return Comm()
+
+
+def _gloo_on_loopback() -> None:
+    """Ranks that meet at a loopback MASTER_ADDR all run on this machine (one node, or several "nodes" on
+    loopback): keep gloo's own connections on the loopback interface too, rather than on the interface the host
+    name resolves to, which may be unreachable or exposed. GLOO_SOCKET_IFNAME, when set, wins."""
+    address = os.environ.get("MASTER_ADDR")
+    if not address or "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
+        names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]  # lo, lo0 (macOS)
+    except (OSError, ValueError):
+        return
+    if loopback and names:
+        os.environ["GLOO_SOCKET_IFNAME"] = names[0]

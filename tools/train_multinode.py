@@ -1,0 +1,100 @@
+"""Run `zo train` as several torchrun "nodes" on this machine, meeting on loopback (`make train-multinode`).
+
+    python tools/train_multinode.py --nodes 2 -- --model tiny --steps 50 --out out/train-multinode
+
+Everything after `--` goes to `zo train`; without a --config there, a small ZeRO-2 + CPU-offload config is
+written to OUT/ds_config.json. Node i is one torchrun agent with --node_rank i, as it would be on machine i:
+
+    torchrun --nnodes N --node_rank i --nproc_per_node P --master_addr 127.0.0.1 --master_port PORT \\
+             -m zero_offload.cli train ...
+
+On real machines run that command on each, with --master_addr the first machine's address and an --out they
+all share. When a node fails, the others get --grace seconds to stop on their own (their ranks say which step
+was lost and how to resume) before they are terminated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIG = {
+    "train_batch_size": 8,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "overlap_comm": True},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def node_command(node: int, nodes: int, nproc: int, port: int, train_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(node),
+            "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(port),
+            "-m", "zero_offload.cli", "train", *train_args]  # fmt: skip
+
+
+def wait_all(procs: list[subprocess.Popen], grace: float) -> int:
+    """The first failing node's exit code (0 if none failed); the others are stopped `grace` s after it."""
+    failed_at, code = None, 0
+    while any(proc.poll() is None for proc in procs):
+        failures = [proc.returncode for proc in procs if proc.returncode not in (None, 0)]
+        if failures and failed_at is None:
+            failed_at, code = time.monotonic(), failures[0]
+        if failed_at is not None and time.monotonic() - failed_at > grace:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()  # torchrun passes it on to its ranks
+            break
+        time.sleep(0.2)
+    for proc in procs:
+        proc.wait()
+    return code or next((proc.returncode for proc in procs if proc.returncode), 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, train_args = (
+        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    )
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser.add_argument("--port", type=int, help="rendezvous port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--grace", type=float, default=60, help="seconds the others get after a node fails")
+    args = parser.parse_args(ours)
+    seen = argparse.ArgumentParser(add_help=False)
+    seen.add_argument("--config")
+    seen.add_argument("--out", default="out/train")
+    known, _ = seen.parse_known_args(train_args)
+    if known.config is None:
+        config = Path(known.out) / "ds_config.json"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(json.dumps(CONFIG, indent=2) + "\n", encoding="utf-8")
+        train_args = ["--config", str(config), *train_args]
+        print(f"using the example config {config}", file=sys.stderr)
+    port = args.port or free_port()
+    procs = [
+        subprocess.Popen(node_command(node, args.nodes, args.nproc_per_node, port, train_args))
+        for node in range(args.nodes)
+    ]
+    try:
+        code = wait_all(procs, args.grace)
+    except KeyboardInterrupt:
+        for proc in procs:
+            proc.terminate()
+        code = 130
+    print(f"{args.nodes} node(s) on loopback: exit code {code}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
