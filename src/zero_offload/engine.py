@@ -173,6 +173,7 @@ class Engine:
                 self.comm,
                 zero,
                 loss_scale=lambda: self.scaler.scale,
+                pipelined=config.zero_offload.overlap_offload,
             )
         else:
             self.states = ShardedStates(

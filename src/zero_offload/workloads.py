@@ -82,31 +82,36 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """A GPT-2-style byte-level language model; `forward(idx)` returns logits of shape (B, T, vocab)."""
 
-    def __init__(self, cfg: GPTConfig | str = "tiny", *, seed: int = 0):
+    def __init__(self, cfg: GPTConfig | str = "tiny", *, seed: int = 0, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.cfg = cfg = gpt_config(cfg)
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.tie_weights:
-            self.lm_head.weight = self.wte.weight
-        self._init_weights(seed)
+        # Built without memory, then each weight is made once, in `dtype`: a 1B-parameter model in bf16 never
+        # holds a 4 GB fp32 copy, nor spends time on torch's default initialisation that ours replaces.
+        with torch.device("meta"):
+            self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+            self.ln_f = nn.LayerNorm(cfg.d_model)
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self._init_weights(seed, dtype)
 
     @torch.no_grad()
-    def _init_weights(self, seed: int) -> None:
+    def _init_weights(self, seed: int, dtype: torch.dtype) -> None:
         # Its own generator: the same seed gives the same weights on every rank, whatever else used the RNG.
         gen = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)  # GPT-2: scale the residual projections
         for name, param in self.named_parameters():
             if name.endswith("bias"):
-                param.zero_()
+                value = torch.zeros(param.shape)
             elif param.dim() == 1:  # LayerNorm weight
-                param.fill_(1.0)
+                value = torch.ones(param.shape)
             else:
                 std = residual_std if name.endswith(("proj.weight", "fc_out.weight")) else 0.02
-                param.copy_(torch.randn(param.shape, generator=gen) * std)
+                value = torch.randn(param.shape, generator=gen) * std
+            owner, _, attr = name.rpartition(".")
+            setattr(self.get_submodule(owner), attr, nn.Parameter(value.to(dtype)))  # from meta to memory
+        if self.cfg.tie_weights:
+            self.lm_head.weight = self.wte.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         seq = idx.shape[1]

@@ -192,8 +192,11 @@ class OffloadedStates(ShardedStates):
         zero,
         *,
         loss_scale: Callable[[], float],
+        pipelined: bool = False,
     ):
         self.transfers = Transfers(accel)
+        # Module 5's pipeline stages gradients through two slots of its own: no full-size staging buffer here.
+        self.pipelined = pipelined
         self.loss_scale = loss_scale  # read as each shard arrives: gradients reach the host unscaled
         self.offload_param = zero.offload_param.enabled
         self.pin_optimizer = zero.offload_optimizer.pin_memory
@@ -234,7 +237,9 @@ class OffloadedStates(ShardedStates):
     def _allocate_gradients(self, full_numel: int, shard_numel: int) -> None:
         host, device = self._placement()
         self.flat_grad = self._host(sum(host), torch.float32, self.pin_optimizer)
-        self.grad_staging = self._split(self._host(sum(host), self.dtype, self.pin_optimizer), host)
+        self.grad_staging = []
+        if not self.pipelined:
+            self.grad_staging = self._split(self._host(sum(host), self.dtype, self.pin_optimizer), host)
         # Units updated on the device keep a gradient shard there, in the training precision, still scaled.
         self.device_grad = self.accel.zeros(sum(device), self.dtype, category="gradients")
         self.grad_shards = self._split(self.flat_grad, host) + self._split(self.device_grad, device)
@@ -351,7 +356,11 @@ class OffloadedStates(ShardedStates):
 
     def host_staging_bytes(self) -> int:
         """Host memory beyond the model states: the fp16 buffers gradients and weights pass through."""
-        buffers = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.grad_staging}
+        staging = list(self.grad_staging)
+        if self.pipeline is not None:  # module 5's double-buffered slots
+            staging += self.pipeline.grad_slots.buffers
+            staging += self.pipeline.weight_slots.buffers if self.pipeline.weight_slots else []
+        buffers = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in staging}
         if not self.offload_param and self.dtype != torch.float32:
             buffers.update(
                 {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.param_staging}

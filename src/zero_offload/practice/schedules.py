@@ -59,8 +59,12 @@ def _config(batch: int, schedule: dict, pinned: tuple | None, impl: str) -> dict
         "train_batch_size": batch,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         # Buckets of about one block, reduced as soon as they fill: gradients leave while backward runs.
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "overlap_comm": True,
-                              "reduce_bucket_size": 1_000_000},  # fmt: skip
+        "zero_optimization": {
+            "stage": 2,
+            "offload_optimizer": {"device": "cpu"},
+            "overlap_comm": True,
+            "reduce_bucket_size": 1_000_000,
+        },  # fmt: skip
         "zero_offload": extension,
     }
 
@@ -90,8 +94,11 @@ def compare_schedules(
         if cores == "shared":
             torch.set_num_threads(len(os.sched_getaffinity(0)))
         engines = {
-            name: initialize(TinyGPT(cfg, seed=0), _config(batch, schedule, pinned, impl),
-                             accelerator=EmulatedAccelerator())  # fmt: skip
+            name: initialize(
+                TinyGPT(cfg, seed=0),
+                _config(batch, schedule, pinned, impl),
+                accelerator=EmulatedAccelerator(),
+            )  # fmt: skip
             for name, schedule in SCHEDULES.items()
         }
         done = dict.fromkeys(engines, 0)
