@@ -167,7 +167,10 @@ def test_backward_needs_a_scalar_loss():
     "extra, module",
     [
         (
-            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
+            {
+                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                "zero_offload": {"delayed_param_update": {"enabled": True}},
+            },
             "module 5",
         ),
     ],

@@ -3,7 +3,8 @@
 It keeps the training loop's logic (loss scaling, accumulation, overflow skips, clipping, the Adam step, the
 learning-rate schedule) and hands the model states to one object that decides where they live: module 1's
 `MixedPrecisionStates` (stage 0), module 2's `ShardedStates` (stages 1-3, all on the device) or module 3's
-`OffloadedStates` (the fp32 optimizer half on the host). Overlap arrives with module 5, as another piece.
+`OffloadedStates` (the fp32 optimizer half on the host) or module 5's `NVMeStates` (that half in files, a few
+sub-groups in host memory at a time). Overlap arrives with module 5, as another piece.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .basics.precision import (
 from .config import Config, load_config
 from .implementation.offload import OffloadedStates, adam_step
 from .implementation.schedulers import build_scheduler
+from .practice.nvme import NVMeStates
 from .practice.timeline import Span, Timeline, plot_timeline
 from .principles.comm import Comm
 from .principles.recompute import checkpoint_blocks
@@ -35,7 +37,6 @@ from .tuning.partial import SplitOptimizer, estimate_partial_offload
 
 # Pieces of the config that later modules of the course implement; until then a clear error beats a silent no-op.
 _NOT_YET = {
-    "nvme": 'the NVMe tier arrives with module 5 (practice); use "device": "cpu"',
     "delayed_param_update": "the delayed parameter update arrives with module 5 (practice)",
 }
 
@@ -43,9 +44,22 @@ _NOT_YET = {
 def _check_supported(config: Config) -> None:
     zero = config.zero_optimization
     problems = []
-    for name in ("offload_optimizer", "offload_param"):
-        if getattr(zero, name).device == "nvme":
-            problems.append((f"zero_optimization.{name}.device", _NOT_YET["nvme"]))
+    if zero.offload_param.device == "nvme":
+        problems.append(
+            (
+                "zero_optimization.offload_param.device",
+                'parameters on NVMe are not supported, only the optimizer\'s states; use "device": "cpu" here '
+                'and keep "offload_optimizer": {"device": "nvme"}',
+            )
+        )
+    if zero.offload_optimizer.device == "nvme" and zero.offload_optimizer.ratio < 1.0:
+        problems.append(
+            (
+                "zero_optimization.offload_optimizer.ratio",
+                "a partial offload keeps some states on the device, the NVMe tier all of them in files; keep "
+                'ratio 1.0 with "device": "nvme", or use "device": "cpu" for a partial offload',
+            )
+        )
     if zero.offload_optimizer.ratio < 1.0 and zero.offload_param.enabled:
         problems.append(
             (
@@ -133,7 +147,8 @@ class Engine:
         if zero.stage == 0:
             self.states = MixedPrecisionStates(params, self.accelerator, config.precision, self.comm)
         elif zero.offload_optimizer.enabled:
-            self.states = OffloadedStates(
+            tier = NVMeStates if zero.offload_optimizer.device == "nvme" else OffloadedStates
+            self.states = tier(
                 model,
                 self.accelerator,
                 config.precision,
@@ -294,7 +309,9 @@ class Engine:
         if clip > 0 and norm > clip:
             clip_factor = clip / (norm + 1e-6)
         start, split = time.perf_counter(), self._split
-        if self._one_pass:  # module 4: Adam and the fp16 rounding in one pass over the host partition
+        if isinstance(states, NVMeStates):  # module 5: the partition comes from files a sub-group at a time
+            states.step(self._host_optimizer, grads, clip_factor, one_pass=self._one_pass)
+        elif self._one_pass:  # module 4: Adam and the fp16 rounding in one pass over the host partition
             one_pass_offload_step(states, self._host_optimizer, grads[:split], clip_factor)
         elif self._host_optimizer is not None:
             adam_step(self._host_optimizer, states.master_params[:split], grads[:split], clip_factor)

@@ -171,13 +171,20 @@ class CPUAdam(torch.optim.Optimizer):
         return loss
 
 
-def one_pass_offload_step(states, optimizer: CPUAdam, grads: list[torch.Tensor], clip_factor: float) -> None:
+def one_pass_offload_step(
+    states, optimizer: CPUAdam, grads: list[torch.Tensor], clip_factor: float, units=None
+) -> None:
     """The offloaded step of module 3 in one pass per unit: Adam on the host partition and, in the same pass,
-    the weights written into the staging buffers publish() uploads (no separate cast pass)."""
+    the weights written into the staging buffers publish() uploads (no separate cast pass).
+
+    `units` (indices) limits it to some units: the NVMe tier steps one sub-group at a time."""
     # The optimizer's parameters are the host's units, which come first (tuning/partial.py).
     group = optimizer.param_groups[0]
-    for index, (master, grad) in enumerate(zip(group["params"], grads, strict=True)):
-        staging = states.param_staging[index]
+    masters = group["params"]
+    if len(grads) != len(masters):
+        raise ValueError(f"{len(grads)} gradients for {len(masters)} master partitions; pass one per unit")
+    for index in range(len(masters)) if units is None else units:
+        master, grad, staging = masters[index], grads[index], states.param_staging[index]
         state = optimizer.state[master]
         state["step"] += 1
         adam_update(
