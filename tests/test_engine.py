@@ -163,20 +163,6 @@ def test_backward_needs_a_scalar_loss():
         engine.backward(engine(x).sum(dim=-1))
 
 
-@pytest.mark.parametrize(
-    "extra, module",
-    [
-        (
-            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
-            "module 5",
-        ),
-    ],
-)
-def test_configs_of_later_modules_say_which_module_brings_them(extra, module):
-    with pytest.raises(NotImplementedError, match=module):
-        zo.initialize(TinyGPT("nano"), _config(**extra), accelerator=EmulatedAccelerator())
-
-
 def test_naive_adam_implementation_trains_like_torch():
     a, b = TinyGPT("nano"), TinyGPT("nano")
     naive = zo.initialize(

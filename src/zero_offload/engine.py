@@ -3,7 +3,8 @@
 It keeps the training loop's logic (loss scaling, accumulation, overflow skips, clipping, the Adam step, the
 learning-rate schedule) and hands the model states to one object that decides where they live: module 1's
 `MixedPrecisionStates` (stage 0), module 2's `ShardedStates` (stages 1-3, all on the device) or module 3's
-`OffloadedStates` (the fp32 optimizer half on the host). Overlap arrives with module 5, as another piece.
+`OffloadedStates` (the fp32 optimizer half on the host) or module 5's `NVMeStates` (that half in files, a few
+sub-groups in host memory at a time). Overlap arrives with module 5, as another piece.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .config import Config, load_config
 from .implementation.offload import OffloadedStates, adam_step
 from .implementation.schedulers import build_scheduler
 from .practice.dpu import DelayedUpdate
+from .practice.nvme import NVMeStates
 from .practice.pipeline import HostQueue, OffloadPipeline
 from .practice.timeline import Span, Timeline, plot_timeline
 from .principles.comm import Comm
@@ -36,18 +38,26 @@ from .tuning.build import CompilerNotFound
 from .tuning.cpu_adam import CPUAdam, one_pass_offload_step
 from .tuning.partial import SplitOptimizer, estimate_partial_offload
 
-# Pieces of the config that later modules of the course implement; until then a clear error beats a silent no-op.
-_NOT_YET = {
-    "nvme": 'the NVMe tier arrives with module 5 (practice); use "device": "cpu"',
-}
-
 
 def _check_supported(config: Config) -> None:
     zero = config.zero_optimization
     problems = []
-    for name in ("offload_optimizer", "offload_param"):
-        if getattr(zero, name).device == "nvme":
-            problems.append((f"zero_optimization.{name}.device", _NOT_YET["nvme"]))
+    if zero.offload_param.device == "nvme":
+        problems.append(
+            (
+                "zero_optimization.offload_param.device",
+                'parameters on NVMe are not supported, only the optimizer\'s states; use "device": "cpu" here '
+                'and keep "offload_optimizer": {"device": "nvme"}',
+            )
+        )
+    if zero.offload_optimizer.device == "nvme" and zero.offload_optimizer.ratio < 1.0:
+        problems.append(
+            (
+                "zero_optimization.offload_optimizer.ratio",
+                "a partial offload keeps some states on the device, the NVMe tier all of them in files; keep "
+                'ratio 1.0 with "device": "nvme", or use "device": "cpu" for a partial offload',
+            )
+        )
     if zero.offload_optimizer.ratio < 1.0 and zero.offload_param.enabled:
         problems.append(
             (
@@ -95,6 +105,14 @@ def _module5_problems(config: Config) -> list[tuple[str, str]]:
             "a partial offload updates its device units at once and would mix stale and fresh weights; "
             "keep offload_optimizer.ratio at 1.0",
         ))  # fmt: skip
+    if zero.offload_optimizer.device == "nvme":
+        for key, on in (("overlap_offload", ext.overlap_offload), ("delayed_param_update", dpu)):
+            if on:
+                problems.append((
+                    f"zero_offload.{key}",
+                    "the NVMe tier steps one sub-group at a time with its own read-ahead and write-behind "
+                    'threads; use it with "offload_optimizer": {"device": "cpu"}, or turn it off',
+                ))  # fmt: skip
     if ext.cores.host and not offloaded:
         problems.append(("zero_offload.cores.host", "the host's cores run the offloaded Adam; there is none "
                          'without "offload_optimizer": {"device": "cpu"}; remove cores.host'))  # fmt: skip
@@ -165,7 +183,8 @@ class Engine:
         if zero.stage == 0:
             self.states = MixedPrecisionStates(params, self.accelerator, config.precision, self.comm)
         elif zero.offload_optimizer.enabled:
-            self.states = OffloadedStates(
+            tier = NVMeStates if zero.offload_optimizer.device == "nvme" else OffloadedStates
+            self.states = tier(
                 model,
                 self.accelerator,
                 config.precision,
@@ -363,20 +382,24 @@ class Engine:
         grads = states.fp32_gradients(1.0 / self.scaler.scale)
         clip_factor = self._clip_factor(grads, record)
         start, split = time.perf_counter(), self._split
-        if (
+        if isinstance(states, NVMeStates):  # module 5: the partition comes from files a sub-group at a time
+            states.step(self._host_optimizer, grads, clip_factor, one_pass=self._one_pass)
+            self._timeline.add("Adam", start, time.perf_counter())
+        elif (
             self._pipeline is not None
         ):  # module 5: unit by unit, overlapped with the uploads (or done already)
             self._pipeline.update(clip_factor)
             self._pipeline.wait()
-            record["adam_seconds"] = self._pipeline.adam_seconds
             states.weights_uploaded = True
-        else:
-            if self._host_queue is not None:  # serial, on the host's own cores: the device waits meanwhile
-                self._host_queue.submit(self._host_update, grads[:split], clip_factor).wait()
-            else:
-                self._host_update(grads[:split], clip_factor)
-            record["adam_seconds"] = time.perf_counter() - start
+        elif self._host_queue is not None:  # serial, on the host's own cores: the device waits meanwhile
+            self._host_queue.submit(self._host_update, grads[:split], clip_factor).wait()
             self._timeline.add("Adam", start, time.perf_counter())
+        else:
+            self._host_update(grads[:split], clip_factor)
+            self._timeline.add("Adam", start, time.perf_counter())
+        record["adam_seconds"] = (
+            self._pipeline.adam_seconds if self._pipeline else time.perf_counter() - start
+        )
         if split < len(grads):  # module 4's partial offload: the rest of the units are updated on the device
             with self._timeline.span("Adam"):
                 adam_step(self._device_optimizer, states.master_params[split:], grads[split:], clip_factor)

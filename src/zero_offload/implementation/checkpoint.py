@@ -73,6 +73,20 @@ def _optimizer_tensors(engine, index: int) -> dict[str, torch.Tensor]:
     return {"master": master, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
 
 
+def _units(engine, *, write: bool = False):
+    """(index, tensors, pieces) for every master partition, in order: its _optimizer_tensors and its pieces
+    (name, start, numel, offset). On the NVMe tier (practice/nvme.py) the tensors are valid only until
+    the next index: they pass through host memory a sub-group at a time, read from the files, or with `write`
+    written back to them after the caller has filled them."""
+    pieces: dict[int, list] = {}
+    for name, start, numel, index, offset in _pieces(engine):
+        pieces.setdefault(index, []).append((name, start, numel, offset))
+    each_unit = getattr(engine.states, "each_unit", None)
+    indices = each_unit(write=write) if each_unit else range(len(engine.states.master_params))
+    for index in indices:
+        yield index, _optimizer_tensors(engine, index), pieces.get(index, [])
+
+
 def _model_entries(model: torch.nn.Module) -> dict[str, str | torch.Tensor]:
     """The model's state_dict, in its order: for a trainable parameter, the name it is saved under (a tied
     weight has an entry per key); for anything else (buffers, frozen parameters), the tensor itself."""
@@ -86,13 +100,13 @@ def _rank_state(engine) -> dict:
     pieces: dict[str, list[dict]] = {}
     # Stage 0 ranks hold identical replicas: rank 0's copy is enough.
     if stage > 0 or comm.rank == 0:
-        for name, start, numel, index, offset in _pieces(engine):
-            tensors = _optimizer_tensors(engine, index)
-            piece = {"start": start}
-            for key in STATES:
-                # A copy of just the piece: saving a view would write its whole storage (the flat buffer).
-                piece[key] = tensors[key][offset : offset + numel].detach().to("cpu", copy=True)
-            pieces.setdefault(name, []).append(piece)
+        for _, tensors, unit_pieces in _units(engine):
+            for name, start, numel, offset in unit_pieces:
+                piece = {"start": start}
+                for key in STATES:
+                    # A copy of just the piece: saving a view would write its whole storage (the flat buffer).
+                    piece[key] = tensors[key][offset : offset + numel].detach().to("cpu", copy=True)
+                pieces.setdefault(name, []).append(piece)
     entries = _model_entries(model)
     # Buffers and frozen weights are the same on every rank (data parallelism): rank 0 saves them.
     others = {k: t for k, t in entries.items() if not isinstance(t, str)} if comm.rank == 0 else {}
@@ -388,13 +402,13 @@ def load_checkpoint(engine, path) -> None:
     full = _assemble(path, files, STATES)
     states, optimizer, rank = engine.states, engine.optimizer, engine.comm.rank
     with torch.no_grad():
-        for index, master in enumerate(states.master_params):
-            for tensor in _optimizer_tensors(engine, index).values():
+        for index, tensors, unit_pieces in _units(engine, write=True):
+            for tensor in tensors.values():
                 tensor.zero_()  # the padding of a shard is zero, as a fresh engine has it
-            optimizer.state[master]["step"].fill_(saved["optimizer_step"])
-        for name, start, numel, index, offset in _pieces(engine):
-            for key, tensor in _optimizer_tensors(engine, index).items():
-                tensor[offset : offset + numel].copy_(full[name][key][start : start + numel])
+            optimizer.state[states.master_params[index]]["step"].fill_(saved["optimizer_step"])
+            for name, start, numel, offset in unit_pieces:
+                for key, tensor in tensors.items():
+                    tensor[offset : offset + numel].copy_(full[name][key][start : start + numel])
         for key, tensor in _model_entries(engine.model).items():
             if not isinstance(tensor, str):
                 tensor.copy_(saved["extras"][key])

@@ -6,6 +6,7 @@ question of *when*, which totals cannot answer. The engine records the start and
     forward, backward          the model's passes on the device
     reduce                     a gradient bucket's reduce-scatter (from launch to completion)
     D2H, H2D                   each copy over the link (PCIe), gradients down and weights up
+    NVMe read, NVMe write      sub-groups of optimizer states read ahead and written behind (the NVMe tier)
     Adam                       the optimizer step (on the host when offloaded)
     all-gather                 weights gathered after the update, or before a stage-3 layer runs
 
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-STAGES = ("forward", "backward", "reduce", "D2H", "Adam", "H2D", "all-gather")
+STAGES = ("forward", "backward", "reduce", "D2H", "NVMe read", "Adam", "NVMe write", "H2D", "all-gather")
 
 
 @dataclass(frozen=True)

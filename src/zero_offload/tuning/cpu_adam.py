@@ -184,12 +184,19 @@ def one_pass_update(optimizer: CPUAdam, master, grad, out, clip_factor: float) -
     )  # fmt: skip
 
 
-def one_pass_offload_step(states, optimizer: CPUAdam, grads: list[torch.Tensor], clip_factor: float) -> None:
+def one_pass_offload_step(
+    states, optimizer: CPUAdam, grads: list[torch.Tensor], clip_factor: float, units=None
+) -> None:
     """The offloaded step of module 3 in one pass per unit: Adam on the host partition and, in the same pass,
-    the weights written into the staging buffers publish() uploads (no separate cast pass)."""
+    the weights written into the staging buffers publish() uploads (no separate cast pass).
+
+    `units` (indices) limits it to some units: the NVMe tier steps one sub-group at a time."""
     # The optimizer's parameters are the host's units, which come first (tuning/partial.py).
-    for index, (master, grad) in enumerate(zip(optimizer.param_groups[0]["params"], grads, strict=True)):
+    masters = optimizer.param_groups[0]["params"]
+    if len(grads) != len(masters):
+        raise ValueError(f"{len(grads)} gradients for {len(masters)} master partitions; pass one per unit")
+    for index in range(len(masters)) if units is None else units:
         staging = states.param_staging[index]
-        out = None if staging.data_ptr() == master.data_ptr() else staging
-        one_pass_update(optimizer, master, grad, out, clip_factor)
+        out = None if staging.data_ptr() == masters[index].data_ptr() else staging
+        one_pass_update(optimizer, masters[index], grads[index], out, clip_factor)
     states.weights_rounded = True

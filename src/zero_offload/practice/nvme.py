@@ -1,0 +1,350 @@
+"""The NVMe tier: the fp32 optimizer states live in files, and only a few sub-groups in host memory at a time.
+
+With `"offload_optimizer": {"device": "nvme", "nvme_path": DIR}` this rank's optimizer partition (fp32 master
+weights, Adam's m and v: 12 bytes a parameter) leaves host memory for three files per sub-group under
+DIR/zero_offload_rank<R>/. The host keeps the fp32 gradient partition, the staging buffers publish() uploads,
+and `buffer_count` slots, each the size of the largest sub-group.
+
+Sub-groups are whole units (the parameters of one module, principles/partition.py) packed in model order up to
+`sub_group_size` elements; a unit larger than that is a sub-group of its own. Whole units keep the step bit for
+bit the CPU tier's: Adam runs over the same tensors, one call per unit, with the same step count.
+
+One step, for sub-groups g = 0, 1, ... (slot of g: g % B, with B slots):
+
+    reader thread   read g+1 .. g+B-1 ahead into their slots, each after its slot's last write has finished
+    main thread     wait for g's read; Adam on g's units with their gradient slices (the gradient partition
+                    stays in RAM); the new weights rounded into the staging buffers
+    writer thread   write g behind into temporary files beside its files, flushed to the drive (fsync)
+
+Only once every rank has written every sub-group does each temporary file replace its file (os.replace), so
+the files move from step k-1 to step k together. If a read or a write fails on any rank, no file is replaced:
+the temporaries are removed, Adam's step counts are rolled back, the staging buffers are rounded again from the
+files, and the step raises NVMeError on every rank. The engine is then where it was before the step (its
+global_steps, loss scale and schedule had not moved yet); only that step's gradients are still accumulated:
+call engine.zero_grad(), free space, and train on.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
+
+import torch
+
+from ..implementation.checkpoint import _fsync_dir, _write_temp
+from ..implementation.offload import OffloadedStates, adam_step
+from ..principles.zero import _fill_from
+from ..tuning.cpu_adam import one_pass_offload_step
+from ..units import format_bytes
+
+STATES = ("master", "exp_avg", "exp_avg_sq")  # one file each per sub-group
+_LEDGER_NAMES = ("master_weights", "exp_avg", "exp_avg_sq")
+_KEY = "zero_optimization.offload_optimizer.nvme_path"
+_FIXES = {
+    errno.ENOSPC: "free space on that drive, or choose an nvme_path on a drive with more",
+    errno.EDQUOT: "your disk quota is used up: free some, or choose an nvme_path outside it",
+    errno.EACCES: "make that directory writable for this user, or choose another nvme_path",
+    errno.EPERM: "make that directory writable for this user, or choose another nvme_path",
+    errno.EROFS: "that file system is read-only: choose an nvme_path on a writable drive",
+    errno.ENOTDIR: "nvme_path must be a directory, or a path where one can be made",
+    errno.EEXIST: "nvme_path must be a directory, or a path where one can be made",
+}
+
+
+class NVMeError(RuntimeError):
+    """The NVMe tier cannot use its files; the message names the file, the cause and the fix."""
+
+
+def _os_error(err: OSError, doing: str, path) -> NVMeError:
+    code = errno.errorcode.get(err.errno, "unknown error")
+    fix = _FIXES.get(err.errno, f"check the drive, or choose another {_KEY}")
+    return NVMeError(f"could not {doing} {path}: {err.strerror or err} ({code}); {fix}")
+
+
+def sub_groups(sizes: list[int], limit: int) -> list[range]:
+    """Consecutive units packed up to `limit` elements each; a unit above the limit is a group of its own."""
+    groups, start, total = [], 0, 0
+    for index, size in enumerate(sizes):
+        if index > start and total + size > limit:
+            groups.append(range(start, index))
+            start, total = index, 0
+        total += size
+    groups.append(range(start, len(sizes)))
+    return groups
+
+
+class SwapFiles:
+    """One rank's files: subgroup<g>.<state>, each holding exactly numels[g] fp32 values."""
+
+    def __init__(self, root: str, rank: int, numels: list[int]):
+        self.dir = Path(root) / f"zero_offload_rank{rank}"
+        self.numels = numels
+
+    def path(self, group: int, state: str) -> Path:
+        return self.dir / f"subgroup{group:05d}.{state}"
+
+    def prepare(self) -> None:
+        """Make the directory, prove it writable, and check there is room for the files and their replacements."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise _os_error(err, "create the swap directory", self.dir) from None
+        try:
+            _write_temp(self.dir / "probe", lambda file: file.write(b"\0")).unlink()
+        except OSError as err:
+            raise _os_error(err, "write a file in", self.dir) from None
+        # Files an earlier run left (another sub-group layout, temporaries of a crash) would only take space.
+        paths = {self.path(g, state) for g in range(len(self.numels)) for state in STATES}
+        for old in self.dir.iterdir():
+            if old.name.startswith(("subgroup", ".subgroup")) and old not in paths:
+                old.unlink()
+        files = 4 * len(STATES) * sum(self.numels)
+        # Every file exists twice between a step's writes and its replacements; files of an earlier run are
+        # replaced, so their space counts as free.
+        need = 2 * files
+        ours = sum(path.stat().st_size for path in paths if path.exists())
+        free = shutil.disk_usage(self.dir).free + ours
+        if free < need:
+            raise NVMeError(
+                f"not enough free space for the NVMe tier in {self.dir}: it needs {need:,} bytes "
+                f"({format_bytes(need)}: {format_bytes(files)} of fp32 master weights, m and v for "
+                f"{sum(self.numels):,} parameters, twice while a step replaces them), and {free:,} bytes "
+                f"({format_bytes(free)}) are free; free {format_bytes(need - free)} or choose another {_KEY}"
+            )
+
+    # read() and write() raise OSError as it comes; the states turn it into an NVMeError that names the file.
+    def read(self, group: int, state: str, out: torch.Tensor) -> None:
+        path = self.path(group, state)
+        view = memoryview(out.numpy()).cast("B")
+        with open(path, "rb", buffering=0) as file:
+            done = 0
+            while done < len(view):
+                got = file.readinto(view[done:])
+                if not got:
+                    raise NVMeError(
+                        f"{path} holds {done} bytes, {len(view)} were expected: the swap file is damaged or "
+                        "was changed by someone else; load a checkpoint"
+                    )
+                done += got
+
+    def write(self, group: int, state: str, data: torch.Tensor) -> tuple[Path, Path]:
+        """Write `data` beside the file, flushed to the drive; returns (temporary, final) for commit()."""
+        final = self.path(group, state)
+        return _write_temp(final, lambda file: file.write(memoryview(data.numpy()).cast("B"))), final
+
+    def commit(self, written: list[tuple[Path, Path]]) -> None:
+        try:
+            for temp, final in written:
+                os.replace(temp, final)
+        except OSError as err:
+            self.discard(written)
+            raise NVMeError(
+                f"{_os_error(err, 'rename', temp)}. The swap files may now mix two steps: load a checkpoint"
+            ) from None
+        _fsync_dir(self.dir)
+
+    def discard(self, written: list[tuple[Path, Path]]) -> None:
+        for temp, _ in written:
+            temp.unlink(missing_ok=True)
+
+
+def _timed(fn, *args):
+    start = time.perf_counter()
+    return fn(*args), start, time.perf_counter()
+
+
+class NVMeStates(OffloadedStates):
+    """OffloadedStates whose fp32 master weights and moments live in files, sub-group by sub-group.
+
+    master_params, exp_avgs and exp_avg_sqs are views into the slots: those of sub-group g are valid only while
+    g is in its slot (during step(), or each_unit()). The staging buffers always hold the rounded master weights.
+    """
+
+    def __init__(self, model, accel, precision, stage, comm, zero, *, loss_scale):
+        options = zero.offload_optimizer
+        self.nvme_path, self.buffer_count = options.nvme_path, options.buffer_count
+        self.sub_group_size = zero.sub_group_size
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="zo-nvme-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="zo-nvme-write")
+        super().__init__(model, accel, precision, stage, comm, zero, loss_scale=loss_scale)
+
+    def _agree(self, error: Exception | None) -> None:
+        """Raise on every rank if any rank failed, so that no rank waits in a collective for one that left."""
+        if self.comm.any(error is not None):
+            raise error or NVMeError("another rank could not use its NVMe swap files; see that rank's error")
+
+    def _allocate_optimizer_states(self, shard_numel: int) -> None:
+        sizes, _ = self._placement()  # the whole partition: the engine refuses a partial offload to NVMe
+        self.groups = sub_groups(sizes, self.sub_group_size)
+        numels = [sum(sizes[i] for i in group) for group in self.groups]
+        self.files = SwapFiles(self.nvme_path, self.comm.rank, numels)
+        error = None
+        try:
+            self.files.prepare()
+        except NVMeError as err:
+            error = err
+        self._agree(error)
+        self.slots, self.slot_numel = min(self.buffer_count, len(self.groups)), max(numels)
+        # One flat buffer per state, cut into slots: what the ledger counts as host memory for the states.
+        flat = [self._host(self.slots * self.slot_numel, torch.float32, self.pin_optimizer) for _ in STATES]
+        self.master, self.exp_avg, self.exp_avg_sq = flat
+        self._group_views = []  # per sub-group: its range of each state's slot
+        lists = self.master_params, self.exp_avgs, self.exp_avg_sqs = [], [], []
+        for g, (group, numel) in enumerate(zip(self.groups, numels, strict=True)):
+            base = (g % self.slots) * self.slot_numel
+            views = [buffer[base : base + numel] for buffer in flat]
+            self._group_views.append(views)
+            for out, view in zip(lists, views, strict=True):
+                out.extend(self._split(view, [sizes[i] for i in group]))
+        self.device_master = None
+        self.device_exp_avg = self.accel.zeros(0, torch.float32, category="optimizer_states")
+        self.device_exp_avg_sq = self.accel.zeros(0, torch.float32, category="optimizer_states")
+        # Even fp32 weights need their own staging buffer: the master they were rounded from leaves its slot.
+        if self.offload_param:
+            self.param_staging = self.param_shards
+        else:
+            self.param_staging = self._split(self._host(sum(sizes), self.dtype, self.pin_optimizer), sizes)
+
+    @torch.no_grad()
+    def _initialise(self, initial: list[torch.Tensor]) -> None:
+        super()._initialise(initial)  # each unit passes through its slot into the weights forward reads
+        values, start = [], 0
+        for unit in self.units:
+            values.append(initial[start : start + len(unit.params)])
+            start += len(unit.params)
+        error = None
+        try:
+            for g, group in enumerate(self.groups):
+                for index in group:
+                    _fill_from(values[index], self.units[index], self.master_params[index])
+                    self.exp_avgs[index].zero_()
+                    self.exp_avg_sqs[index].zero_()
+                self._round(group)
+                self.files.commit(self._write_group(g))
+        except NVMeError as err:
+            error = err
+        self._agree(error)
+
+    # -- moving sub-groups ----------------------------------------------------------------------------------
+    def _read_group(self, g: int) -> None:
+        for state, view in zip(STATES, self._group_views[g], strict=True):
+            try:
+                self.files.read(g, state, view)
+            except OSError as err:
+                raise _os_error(err, "read", self.files.path(g, state)) from None
+
+    def _write_group(self, g: int) -> list[tuple[Path, Path]]:
+        written = []
+        try:
+            for state, view in zip(STATES, self._group_views[g], strict=True):
+                written.append(self.files.write(g, state, view))
+        except BaseException as err:
+            self.files.discard(written)
+            if isinstance(err, OSError):
+                raise _os_error(err, "write", self.files.path(g, state)) from None
+            raise
+        return written
+
+    def _read_after(self, g: int, pending_write):
+        if pending_write is not None:  # never overwrite a slot whose last sub-group is still being written
+            wait([pending_write])
+        return _timed(self._read_group, g)
+
+    def _round(self, group: range) -> None:
+        for index in group:
+            self.param_staging[index].copy_(self.master_params[index])
+
+    # -- the step -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, optimizer, grads: list[torch.Tensor], clip_factor: float, *, one_pass: bool) -> None:
+        """Adam over the whole partition, sub-group by sub-group, with reads ahead and writes behind."""
+        counts = [optimizer.state[master]["step"].clone() for master in self.master_params]
+        reads, writes, last_write, error = [], [], [None] * self.slots, None
+        try:
+            for g, group in enumerate(self.groups):
+                # The slots of g .. g+B-1 last held g-B .. g-1, whose writes have all been queued by now.
+                while len(reads) < min(g + self.slots, len(self.groups)):
+                    ahead = len(reads)
+                    reads.append(self._reader.submit(self._read_after, ahead, last_write[ahead % self.slots]))
+                reads[g].result()
+                if one_pass:  # module 4: Adam and the rounding into the staging buffers in one pass
+                    one_pass_offload_step(self, optimizer, grads, clip_factor, units=group)
+                else:
+                    masters = [self.master_params[i] for i in group]
+                    adam_step(optimizer, masters, [grads[i] for i in group], clip_factor)
+                    self._round(group)
+                last_write[g % self.slots] = self._writer.submit(_timed, self._write_group, g)
+                writes.append(last_write[g % self.slots])
+        except Exception as err:
+            error = err
+        written, io_error = self._drain(reads, writes)
+        try:
+            self._agree(error or io_error)
+        except Exception as failure:
+            self.files.discard(written)
+            for master, count in zip(self.master_params, counts, strict=True):
+                optimizer.state[master]["step"].copy_(count)
+            try:
+                for g, group in enumerate(self.groups):  # the weights of the last good step, from its files
+                    self._read_group(g)
+                    self._round(group)
+            except NVMeError as err:
+                raise NVMeError(
+                    f"{failure}. Then the last good weights could not be read back ({err}): load a checkpoint"
+                ) from failure
+            if isinstance(failure, NVMeError):
+                raise NVMeError(
+                    f"{failure}. This step was not taken: the swap files and the weights hold the last good "
+                    "one; engine.zero_grad() drops its gradients, and training can go on once this is fixed"
+                ) from None
+            raise
+        self.files.commit(written)
+        self.weights_rounded = True
+
+    def _drain(self, reads, writes) -> tuple[list, Exception | None]:
+        """Wait for every read and write this step started; their files, spans and first error."""
+        written, error, timeline = [], None, self.transfers.timeline
+        for stage, futures in (("NVMe read", reads), ("NVMe write", writes)):
+            for future in futures:
+                try:
+                    result, start, end = future.result()
+                except Exception as err:
+                    error = error or err
+                    continue
+                if stage == "NVMe write":
+                    written.extend(result)
+                if timeline is not None:  # spans are added here, on the main thread, never by the workers
+                    timeline.add(stage, start, end)
+        return written, error
+
+    def each_unit(self, *, write: bool = False):
+        """Each unit's index, with its sub-group in its slot meanwhile (for checkpoints): read from the files,
+        or with `write`, written back once the caller has filled all its units (and rounded for publish())."""
+        for g, group in enumerate(self.groups):
+            if not write:
+                self._read_group(g)
+            yield from group
+            if write:
+                self._round(group)
+                self.files.commit(self._write_group(g))
+
+    def publish(self) -> None:
+        self.weights_rounded = True  # the staging buffers always hold the rounded masters
+        super().publish()
+
+    # -- where the bytes are ------------------------------------------------------------------------------
+    def record(self, ledger) -> None:
+        super().record(ledger)  # the slots count as host memory for master, m and v
+        for g in range(len(self.groups)):
+            for name, state in zip(_LEDGER_NAMES, STATES, strict=True):
+                ledger.record_file(name, self.files.path(g, state))
+
+    def host_staging_bytes(self) -> int:
+        extra = 0
+        if self.dtype == torch.float32 and not self.offload_param:  # the CPU tier uploads from its master
+            extra = self.param_staging[0].untyped_storage().nbytes()
+        return super().host_staging_bytes() + extra
