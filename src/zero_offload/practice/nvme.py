@@ -164,13 +164,13 @@ class NVMeStates(OffloadedStates):
     g is in its slot (during step(), or each_unit()). The staging buffers always hold the rounded master weights.
     """
 
-    def __init__(self, model, accel, precision, stage, comm, zero, *, loss_scale):
+    def __init__(self, model, accel, precision, stage, comm, zero, **kwargs):
         options = zero.offload_optimizer
         self.nvme_path, self.buffer_count = options.nvme_path, options.buffer_count
         self.sub_group_size = zero.sub_group_size
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="zo-nvme-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="zo-nvme-write")
-        super().__init__(model, accel, precision, stage, comm, zero, loss_scale=loss_scale)
+        super().__init__(model, accel, precision, stage, comm, zero, **kwargs)
 
     def _agree(self, error: Exception | None) -> None:
         """Raise on every rank if any rank failed, so that no rank waits in a collective for one that left."""
