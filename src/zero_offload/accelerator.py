@@ -96,8 +96,10 @@ class _WorkerStream:
 
     waits_without_blocking = True  # wait_event() returns at once: the worker thread does the waiting
 
-    def __init__(self, name: str):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    def __init__(self, name: str, cores: list[int] | None = None):
+        # Pinned to `cores` if given; threads it starts (the C Adam's) inherit the pinning.
+        pin = dict(initializer=os.sched_setaffinity, initargs=(0, cores)) if cores else {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, **pin)
         self._waits: list[Event] = []
 
     def wait_event(self, event: Event) -> None:
@@ -176,7 +178,8 @@ class Accelerator:
     def compute_dtype(self, storage_dtype: torch.dtype) -> torch.dtype:
         return storage_dtype
 
-    def new_stream(self, name: str = "zo-stream"):
+    def new_stream(self, name: str = "zo-stream", cores: list[int] | None = None):
+        """A queue of device work that runs in order; `cores` pins an emulated device's stream thread."""
         raise NotImplementedError
 
     def memory_stats(self) -> MemoryStats:
@@ -286,8 +289,8 @@ class EmulatedAccelerator(Accelerator):
         # the emulated device stores fp16/bf16 but computes in fp32.
         return torch.float32
 
-    def new_stream(self, name: str = "zo-stream") -> _WorkerStream:
-        return _WorkerStream(name)
+    def new_stream(self, name: str = "zo-stream", cores: list[int] | None = None) -> _WorkerStream:
+        return _WorkerStream(name, cores)
 
     def memory_stats(self) -> MemoryStats:
         with self._lock:
@@ -392,8 +395,8 @@ class CudaAccelerator(Accelerator):
     def restore_storage(self, tensor: torch.Tensor, category: str = "parameters") -> None:
         tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
 
-    def new_stream(self, name: str = "zo-stream") -> _CudaStream:
-        return _CudaStream(self.device)
+    def new_stream(self, name: str = "zo-stream", cores: list[int] | None = None) -> _CudaStream:
+        return _CudaStream(self.device)  # the copy engines of the GPU: no host core to pin
 
     def memory_stats(self) -> MemoryStats:
         return MemoryStats(

@@ -239,7 +239,8 @@ class Engine:
         # The host's work runs on a queue of its own; with cores.host, on those cores only.
         self._host_queue = host = HostQueue("zo-host", list(ext.cores.host) or None)
         if ext.overlap_offload:
-            self._pipeline = OffloadPipeline(self.states, self.accelerator, host=host)
+            cores = list(ext.cores.host) or None
+            self._pipeline = OffloadPipeline(self.states, self.accelerator, host=host, cores=cores)
             self._pipeline.optimizer = self._host_optimizer
             self.states.pipeline = self._pipeline
         if ext.delayed_param_update.enabled:
@@ -327,6 +328,7 @@ class Engine:
         if self._pipeline is not None:
             # Adam may start before backward ends only if nothing needs the whole gradient first.
             last = (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+            self._pipeline.final = last
             self._pipeline.eager = (
                 last
                 and not self.config.fp16.enabled

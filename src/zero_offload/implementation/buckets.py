@@ -30,6 +30,10 @@ from ..principles.partition import Unit
 ReduceScatter = Callable[..., object]
 
 
+def _finished(handle) -> bool:
+    return handle is None or handle.is_completed()
+
+
 class GradientBuckets:
     """Collects gradients per unit as backward produces them and reduce-scatters them bucket by bucket."""
 
@@ -51,7 +55,7 @@ class GradientBuckets:
         self.reduce, self.deliver, self.on_unit_complete = reduce, deliver, on_unit_complete
         self._unit_of = {id(p): (index, i) for index, u in enumerate(units) for i, p in enumerate(u.params)}
         self._staging: dict[int, torch.Tensor] = {}  # unit index -> its full gradient being collected
-        self._remaining: dict[int, int] = {}  # unit index -> parameters whose gradient has not arrived
+        self._missing: dict[int, set[int]] = {}  # unit index -> its parameters whose gradient has not arrived
         self._bucket: list[int] = []  # complete units waiting for the bucket to fill
         self._inflight: list = []  # (index, staging, shard, handle) of reductions started
         self.reductions = 0  # reduce-scatter calls issued (one per unit, grouped in buckets)
@@ -67,14 +71,18 @@ class GradientBuckets:
         unit = self.units[index]
         staging = self._staging.get(index)
         if staging is None:
-            staging = self._staging[index] = self.accel.zeros(
+            # Every parameter's gradient is written once (its hook fires once per backward, after autograd has
+            # summed all its uses), so only the padding needs zeros; parameters that never arrive are zeroed
+            # when the unit is flushed.
+            staging = self._staging[index] = self.accel.empty(
                 unit.padded_numel, self.dtype, category="buckets"
             )
-            self._remaining[index] = len(unit.params)
-        staging[unit.offsets[i] : unit.offsets[i] + unit.numels[i]].add_(param.grad.reshape(-1))
+            staging[unit.numel :].zero_()
+            self._missing[index] = set(range(len(unit.params)))
+        staging[unit.offsets[i] : unit.offsets[i] + unit.numels[i]].copy_(param.grad.reshape(-1))
+        self._missing[index].discard(i)
         param.grad = None  # the gradient lives only in the bucket now
-        self._remaining[index] -= 1
-        if self._remaining[index] == 0:
+        if not self._missing[index]:
             if self.on_unit_complete is not None:
                 self.on_unit_complete(index)
             self._bucket.append(index)
@@ -85,13 +93,30 @@ class GradientBuckets:
         """Start the reduce-scatter of every unit in the current bucket."""
         for index in self._bucket:
             staging = self._staging.pop(index)
-            shard = self.accel.empty(self.units[index].shard_numel, self.dtype, category="buckets")
-            handle = self.reduce(self.comm, staging, shard, async_op=self.overlap)
+            unit = self.units[index]
+            for i in self._missing.pop(index):  # unused in this backward: a zero gradient
+                staging[unit.offsets[i] : unit.offsets[i] + unit.numels[i]].zero_()
+            if self.comm.world_size == 1:  # nothing to average or scatter: the bucket is this rank's shard
+                shard, handle = staging, None
+            else:
+                shard = self.accel.empty(self.units[index].shard_numel, self.dtype, category="buckets")
+                handle = self.reduce(self.comm, staging, shard, async_op=self.overlap)
             self._inflight.append((index, staging, shard, handle))
             self.reductions += 1
         self._bucket = []
         if not self.overlap:
             self.drain()
+        else:
+            self._deliver_finished()
+
+    def _deliver_finished(self) -> None:
+        """Deliver, in order, the reductions that have already completed: their shards can move on now rather
+        than at the end of backward (module 5's pipeline starts copying them down at once)."""
+        while self._inflight and _finished(self._inflight[0][3]):
+            index, _staging, shard, handle = self._inflight.pop(0)
+            if handle is not None:
+                handle.wait()
+            self.deliver(index, shard)
 
     def drain(self) -> None:
         """Wait for the reductions in flight and deliver their shards, in the order they were started."""
@@ -106,4 +131,4 @@ class GradientBuckets:
         self._bucket += [i for i in self._staging if i not in self._bucket]
         self.flush()
         self.drain()
-        self._remaining.clear()
+        self._missing.clear()

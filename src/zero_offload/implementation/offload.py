@@ -22,6 +22,7 @@ each time their layer is gathered (forward and again for backward).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import warnings
@@ -342,8 +343,23 @@ class OffloadedStates(ShardedStates):
             if self.stage < 3:
                 all_gather_unit(self.comm, self.full_params[index], self.param_shards[index])
 
+    def grad_norm(self, grads: list[torch.Tensor]) -> float:
+        if self.pipeline is None or not self.pipeline.squared_norms:
+            return super().grad_norm(grads)
+        # Module 5: the host summed each of its units' squares as the gradient arrived; the same numbers in
+        # the same order as the loop over `grads` would give.
+        squares = self.pipeline.squared_norms
+        local = sum(
+            squares[i] if i in squares else float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
+            for i, g in enumerate(grads)
+        )
+        return math.sqrt(self.comm.sum(local))
+
     def zero_grad(self) -> None:
-        self.flat_grad.zero_()
+        if self.pipeline is not None:
+            self.pipeline.zero_grad()
+        else:
+            self.flat_grad.zero_()
         self.device_grad.zero_()
 
     def record(self, ledger) -> None:

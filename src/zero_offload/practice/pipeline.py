@@ -25,9 +25,7 @@ are asynchronous DMA from pinned memory.
 
 from __future__ import annotations
 
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -41,13 +39,6 @@ class HostQueue(_WorkerStream):
 
     Pinning models a GPU and a CPU as separate processors on a machine that has only CPUs: the device's
     compute keeps its cores, the host's Adam gets the others, and neither waits for the other's cores."""
-
-    def __init__(self, name: str, cores: list[int] | None = None):
-        super().__init__(name)
-        if cores:
-            # Threads the C Adam starts from this thread inherit its affinity.
-            self._pool.shutdown()
-            self._pool = ThreadPoolExecutor(1, name, initializer=os.sched_setaffinity, initargs=(0, cores))
 
 
 class SlotRing:
@@ -85,9 +76,11 @@ class SlotRing:
 class OffloadPipeline:
     """Runs the offloaded part of a step (OffloadedStates' host units) through the copy stream and host queue."""
 
-    def __init__(self, states, accel: Accelerator, *, host: HostQueue, slots: int = 2):
+    def __init__(self, states, accel: Accelerator, *, host: HostQueue, cores=None, slots: int = 2):
         self.states, self.accel = states, accel
-        self.copy = accel.new_stream("zo-copy")
+        # On the emulated device the copies are memcpy by a CPU core: the host's (`cores`), standing in for
+        # the DMA engines, so that they do not take the device's compute core.
+        self.copy = accel.new_stream("zo-copy", cores)
         self.host = host
         largest = max((u.shard_numel for u in states.units[: states.host_units]), default=0)
         pin = states.pin_optimizer
@@ -102,6 +95,8 @@ class OffloadPipeline:
             self.weight_slots = ring(states.dtype)
         self.optimizer = None  # the host's Adam, set by the engine
         self.eager = False  # Adam runs as each gradient arrives (decided per backward by the engine)
+        self.final = False  # this backward is the last micro-batch before the step
+        self.squared_norms: dict[int, float] = {}  # unit -> squared norm of its complete gradient
         self.clip_factor = 1.0
         self._pending: list[Event] = []  # what must finish before the step can go on
         self._alive: list[torch.Tensor] = []  # device shards whose copies may still be reading them
@@ -136,7 +131,14 @@ class OffloadPipeline:
         # END LAB 5.1
 
     def _accumulate(self, index: int, staging: torch.Tensor, inv_scale: float) -> None:
-        self.states.grad_shards[index].add_(staging, alpha=inv_scale)
+        grad = self.states.grad_shards[index]
+        grad.add_(staging, alpha=inv_scale)
+        if self.final:  # the gradient is complete: its share of the global norm, here rather than at the step
+            self.squared_norms[index] = float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
+
+    def zero_grad(self) -> None:
+        """Clear the host's fp32 gradients on the host queue, behind this step's work, while forward runs."""
+        self._pending.append(self.host.submit(self.states.flat_grad.zero_))
 
     # -- the step ------------------------------------------------------------------------------------------
     def update(self, clip_factor: float) -> None:
@@ -206,4 +208,5 @@ class OffloadPipeline:
     def new_step(self) -> None:
         """Forget the last step's bookkeeping (call after wait())."""
         self.updated = set()
+        self.squared_norms = {}
         self.adam_seconds = 0.0

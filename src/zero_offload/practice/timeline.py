@@ -74,6 +74,9 @@ class _TimedWork:
     def __init__(self, work, timeline: Timeline, stage: str, start: float):
         self.work, self.timeline, self.stage, self.start = work, timeline, stage, start
 
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
     def wait(self):
         result = self.work.wait()
         self.timeline.add(self.stage, self.start, time.perf_counter())
