@@ -9,7 +9,7 @@ LAB_DIR ?= labs
 PYTEST_WORKERS ?= 2
 
 .PHONY: install test demo build labs lessons jupyter bench lint gpu-check clean \
-        lab1 lab2 lab3 lab4 lab5 train-multinode
+        lab1 lab2 lab3 lab4 lab5 train-multinode demo-multinode
 
 install: $(STAMP)
 
@@ -24,13 +24,18 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not timing" tests
 	$(PY) -m pytest -q -m timing tests
 
+# Two ranks under torchrun on loopback, an emulated 512 MB device; report and plots in out/demo/.
 demo: $(STAMP)
 	$(VENV)/bin/zo demo
+
+# The same demo over two torchrun "nodes" on this machine, one rank each; report in out/demo-multinode/.
+demo-multinode: $(STAMP)
+	$(PY) tools/multinode.py --command demo --nodes 2 -- --out out/demo-multinode
 
 # Two torchrun "nodes" on this machine, one rank each, meeting on loopback: the multi-node path without a second
 # machine. Report, plots and checkpoints in out/train-multinode/.
 train-multinode: $(STAMP)
-	$(PY) tools/train_multinode.py --nodes 2 -- --model tiny --steps 60 --eval-every 20 --save-every 20 \
+	$(PY) tools/multinode.py --nodes 2 -- --model tiny --steps 60 --eval-every 20 --save-every 20 \
 		--out out/train-multinode
 
 # Compile the C CPU Adam now (it is otherwise compiled on first use, into ~/.cache/zero_offload).

@@ -169,7 +169,7 @@ def test_an_error_on_the_host_queue_surfaces_at_the_step_and_the_next_step_is_no
     engine = _engine(_config(2, overlap=True))
     _train(engine, 1)
 
-    def broken(index, out):
+    def broken(index, out, staged=None):
         raise RuntimeError("host Adam failed")
 
     monkeypatch.setattr(engine._pipeline, "_adam", broken)

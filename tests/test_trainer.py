@@ -160,7 +160,7 @@ def _end(procs: list[subprocess.Popen]) -> None:
 def test_two_nodes_on_loopback_match_one_process(tmp_path, no_plots):
     config, evals = _config(tmp_path), ("--eval-every", "2", "--eval-batches", "2")
     assert _train(config, tmp_path / "one", 4, *evals) == 0
-    tool = [sys.executable, str(REPO / "tools" / "train_multinode.py"), "--nodes", "2", "--grace", "20", "--"]
+    tool = [sys.executable, str(REPO / "tools" / "multinode.py"), "--nodes", "2", "--grace", "20", "--"]
     run = subprocess.run([*tool, *_args(config, tmp_path / "two", 4, *evals)], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]

@@ -173,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = sub.add_parser("demo", help="the instructor's end-to-end demo (writes out/demo/report.md)")
     demo.add_argument("--out", default="out/demo")
-    demo.add_argument("--steps", type=int, default=300)
+    demo.add_argument("--ranks", type=int, default=2, help="processes, launched with torchrun on loopback")
+    demo.add_argument("--budget", default="512MiB", help="the emulated device's memory, e.g. 512MiB")
+    demo.add_argument("--steps", type=int, default=30, help="training steps of part 2")
+    demo.add_argument("--quick", action="store_true", help="small models and budget: a check that it runs")
 
     est = sub.add_parser("estimate", help="model-state bytes per tier for a parameter count")
     est.add_argument("params", type=parse_count, help="e.g. 13B, 350M, 1e9")
@@ -266,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        run_demo(args.out, steps=args.steps)
+        run_demo(args.out, ranks=args.ranks, budget=args.budget, steps=args.steps, quick=args.quick)
         return 0
     if args.command == "train":
         return _train(args)

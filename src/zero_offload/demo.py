@@ -1,9 +1,23 @@
-"""`make demo`: the instructor's end-to-end demonstration, with real numbers and plots under out/demo/."""
+"""`make demo`: the instructor's end-to-end demonstration, with real numbers and plots under out/demo/.
+
+    0. the arithmetic: a 13B model's states per tier, and the course introduction's config refused
+    1. stage 0 runs out of the emulated device's budget
+    2. ZeRO-2 with CPU offload fits the same budget, and the loss falls
+    3. serial vs overlapped vs delayed (DPU) step times, with their timelines
+    4. memory per tier (device, host, NVMe) for each configuration
+    5. the largest model that trains under the budget, without and with offload
+
+Parts 1, 2 and 4 run on every rank (2 by default, under torchrun on loopback); parts 3 and 5 measure this one
+machine and run on rank 0 alone, after the others have left. `make demo-multinode` runs the same over two
+torchrun "nodes" on loopback.
+"""
 
 from __future__ import annotations
 
 import json
-import time
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -13,11 +27,12 @@ from . import initialize
 from .accelerator import DeviceOutOfMemoryError, EmulatedAccelerator
 from .basics.memory import estimate_model_states
 from .config import ConfigError, load_config
+from .demo_report import write_report
 from .plots import plot_losses, plot_model_states
-from .units import format_bytes, format_gb
-from .workloads import ByteBatches, TinyGPT, gpt_config, lm_loss, load_corpus
+from .units import format_bytes, format_gb, parse_bytes
+from .workloads import ByteBatches, GPTConfig, TinyGPT, lm_loss, load_corpus
 
-# The course introduction's example, verbatim in substance: it pairs offload_param with stage 2.
+# The course introduction's example, in substance: it pairs offload_param with stage 2.
 INTRODUCTION_CONFIG = {
     "train_batch_size": 64,
     "fp16": {"enabled": True},
@@ -25,266 +40,227 @@ INTRODUCTION_CONFIG = {
         "stage": 2,
         "offload_optimizer": {"device": "cpu", "pin_memory": True},
         "offload_param": {"device": "cpu", "pin_memory": True},
-        "overlap_comm": True,
-        "contiguous_gradients": True,
     },
 }
+# Parts 1, 2 and 4: about 38M parameters, 600 MB of fp16 Adam states at stage 0, against a 512 MB device.
+MODEL = GPTConfig(seq_len=64, d_model=512, n_layer=12, n_head=8)
+QUICK_MODEL = GPTConfig(seq_len=32, d_model=128, n_layer=4, n_head=4)  # tests: the same story at 64 MB
+
+
+def say(*lines) -> None:
+    if _rank() == 0:
+        print(*lines, sep="\n", flush=True)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _section(title: str) -> None:
-    print(f"\n{'=' * 100}\n{title}\n{'=' * 100}")
+    say(f"\n{'=' * 100}\n{title}\n{'=' * 100}")
 
 
-def thirteen_billion(out: Path) -> dict:
-    """Part 1: the arithmetic of a 13B model, per tier, for the configurations the course compares."""
-    _section("1. Model states of a 13B-parameter model (fp16 Adam), per GPU")
+def arithmetic(out: Path) -> dict:
+    """Part 0: a 13B model's states per tier, and the introduction's config refused with the reason."""
+    _section("0. The arithmetic: a 13B-parameter model, fp16 Adam, per GPU")
     n = 13_000_000_000
     configs = {
         "stage 0, 1 GPU": dict(stage=0),
         "stage 2 + offload, 1 GPU": dict(stage=2, offload_optimizer="cpu"),
-        "stage 2, 8 GPUs": dict(stage=2, world_size=8),
         "stage 3, 8 GPUs": dict(stage=3, world_size=8),
         "stage 3 + offload, 8 GPUs": dict(
             stage=3, world_size=8, offload_optimizer="cpu", offload_param="cpu"
         ),
     }
     estimates = {label: estimate_model_states(n, **kw) for label, kw in configs.items()}
-    print(f"{'configuration':<28}{'device':>12}{'host':>12}")
-    for label, est in estimates.items():
-        print(f"{label:<28}{format_gb(est.device):>12}{format_gb(est.host):>12}")
-    print("16 bytes a parameter: 2 (fp16 weight) + 2 (fp16 gradient) + 4 (fp32 master) + 4 + 4 (Adam m, v).")
-    print(
-        f"The course introduction says 13 x 12 = 156 GB: it forgets the fp32 master weights "
-        f"({format_gb(4 * n)}). Measured below on a real model."
-    )
-    plot = plot_model_states(
-        estimates,
-        out / "memory_13b.png",
-        capacity=80e9,
-        title="13B parameters, fp16 Adam: model states per GPU",
-    )
-    return {"estimates": {k: v.as_dict() for k, v in estimates.items()}, "plot": plot.name}
-
-
-def introduction_config() -> str:
-    """Part 2: the introduction's config is rejected, with the reason."""
-    _section("2. The course introduction's config: offload_param with stage 2")
+    say(f"{'configuration':<28}{'device':>12}{'host':>12}",
+        *(f"{k:<28}{format_gb(e.device):>12}{format_gb(e.host):>12}" for k, e in estimates.items()),
+        "16 bytes a parameter: 2 (fp16 weight) + 2 (fp16 gradient) + 4 (fp32 master) + 4 + 4 (Adam m, v).",
+        f"The course introduction counts 13 x 12 = 156 GB: it forgets the fp32 master weights ({format_gb(4 * n)}).")  # fmt: skip
     try:
         load_config(INTRODUCTION_CONFIG)
+        refused = "accepted (it should not be)"
     except ConfigError as err:
-        print(f"ConfigError: {err}")
-        return str(err)
-    raise AssertionError("the introduction's config should have been rejected")
+        refused = str(err)
+    say("The introduction's config, offload_param with stage 2:", f"ConfigError: {refused}")
+    if _rank() == 0:
+        plot_model_states(estimates, out / "memory_13b.png", capacity=80e9,
+                          title="13B parameters, fp16 Adam: model states per GPU")  # fmt: skip
+    return {"estimates": {k: v.as_dict() for k, v in estimates.items()}, "introduction": refused}
 
 
-def out_of_memory(budget: int) -> str:
-    """Part 3: stage 0 under a device budget smaller than its model states runs out of memory."""
-    cfg = gpt_config("small")
+def _config(batch: int, zero: dict, budget: int, **extension) -> dict:
+    return {
+        "train_batch_size": batch,
+        "fp16": {"enabled": True, "initial_scale_power": 12},
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {"reduce_bucket_size": 2_000_000, "overlap_comm": True, **zero},
+        "zero_offload": {"device_memory": budget, **extension},
+    }
+
+
+def out_of_memory(cfg: GPTConfig, budget: int) -> str:
+    """Part 1: stage 0 cannot hold the model states in the budget."""
     need = estimate_model_states(cfg.num_params(), precision="fp16").device
-    _section(
-        f"3. Stage 0: a {cfg.num_params() / 1e6:.1f}M-parameter GPT needs {format_bytes(need)} of model "
-        f"states; the device has {format_bytes(budget)}"
-    )
-    model = TinyGPT(cfg)
+    _section(f"1. Stage 0: a {cfg.num_params() / 1e6:.1f}M-parameter GPT needs {format_bytes(need)} of model "
+             f"states on each device; the device has {format_bytes(budget)}")  # fmt: skip
     try:
-        initialize(
-            model, {"train_batch_size": 8, "fp16": {"enabled": True}}, accelerator=EmulatedAccelerator(budget)
-        )
+        initialize(TinyGPT(cfg), _config(8, {"stage": 0}, budget), accelerator=EmulatedAccelerator(budget))
     except DeviceOutOfMemoryError as err:
-        print(f"OutOfMemoryError: {err}")
+        say(f"OutOfMemoryError: {err}")
         return str(err)
     raise AssertionError("stage 0 should not fit the budget")
 
 
-def _train_config(batch: int, zero: dict) -> dict:
-    return {
-        "train_batch_size": batch,
-        "fp16": {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 50},
-        "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
-        "zero_optimization": zero,
-        # torch's fused Adam on both sides, so the offloaded run must match the device run bit for bit: offload
-        # moves the states, not the arithmetic (module 4's C Adam rounds a few last bits differently, and fp16
-        # training would amplify that into visibly different curves).
-        "zero_offload": {"cpu_adam": {"impl": "torch"}},
-    }
+OFFLOAD = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
 
 
-OFFLOAD = {"stage": 2, "offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 2_000_000}
-
-
-def _run(engine, cfg, steps: int, batch: int, desc: str) -> tuple[list[float], float]:
-    data = ByteBatches(load_corpus(), cfg.seq_len)
-    losses = []
-    started = time.perf_counter()
-    with tqdm(range(steps), desc=desc, unit="step") as bar:
-        for step in bar:
-            x, y = data.global_batch(step, batch)
-            loss = lm_loss(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", scale=f"{engine.scaler.scale:g}")
-    return losses, (time.perf_counter() - started) / steps
-
-
-def offload_fits(budget: int, *, steps: int, batch: int = 8) -> dict:
-    """Part 4: the model that did not fit at stage 0 trains with ZeRO-2 + CPU offload in the same budget."""
-    cfg = gpt_config("small")
+def offload_trains(cfg: GPTConfig, budget: int, out: Path, *, steps: int, batch: int = 8) -> dict:
+    """Part 2: ZeRO-2 + CPU offload (the overlapped pipeline) trains the same model in the same budget."""
+    ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     _section(
-        f"4. The same {cfg.num_params() / 1e6:.1f}M-parameter GPT with ZeRO-2 + CPU offload, same "
-        f"{format_bytes(budget)} device: the fp32 half of the states moves to the host"
+        f"2. The same model, ZeRO-2 + CPU offload on {ranks} rank(s), same {format_bytes(budget)} device"
     )
-    accel = EmulatedAccelerator(budget)
-    engine = initialize(TinyGPT(cfg), _train_config(batch, OFFLOAD), accelerator=accel)
-    losses, seconds = _run(engine, cfg, steps, batch, "offloaded training")
+    engine = initialize(TinyGPT(cfg), _config(batch, OFFLOAD, budget, overlap_offload=True),
+                        accelerator=EmulatedAccelerator(budget))  # fmt: skip
+    data = ByteBatches(load_corpus(), cfg.seq_len, seed=0)
+    micro, losses = batch // ranks, []
+    for step in tqdm(range(steps), desc="offloaded training", unit="step", disable=_rank() != 0):
+        x, y = data.micro_batch(step, micro, rank=_rank(), world_size=ranks)
+        loss = lm_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(engine.comm.sum(float(loss.detach())) / ranks)
     report = engine.memory_report()
-    print(report)
-    moved = engine.states.transfers.bytes
-    per_step = {k: v / steps for k, v in moved.items()}
-    adam_ms = 1000 * sum(r["adam_seconds"] for r in engine.history) / steps
-    print(
-        f"PCIe per step: {format_bytes(per_step['d2h'])} device->host (fp16 gradients), "
-        f"{format_bytes(per_step['h2d'])} host->device (fp16 weights) = "
-        f"{(per_step['d2h'] + per_step['h2d']) / engine.num_params:.2f} bytes a parameter (the paper: 4)"
-    )
-    print(
-        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps, {seconds * 1000:.0f} ms/step, of which "
-        f"the CPU Adam {adam_ms:.0f} ms; device peak {format_bytes(report.device.peak)} of {format_bytes(budget)}"
-    )
-    return {
-        "params": engine.num_params,
-        "steps": steps,
-        "ms_per_step": seconds * 1000,
-        "adam_ms_per_step": adam_ms,
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
-        "pcie_bytes_per_step": per_step,
-        "memory": {
-            "estimated": report.estimated.as_dict(),
-            "measured": report.measured.as_dict(),
-            "device_peak": report.device.peak,
-            "budget": budget,
-        },
-    }
+    moved = {k: v / steps for k, v in engine.states.transfers.bytes.items()}
+    say(str(report), f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps; PCIe per step and rank: "
+        f"{format_bytes(moved['d2h'])} down, {format_bytes(moved['h2d'])} up "
+        f"({(moved['d2h'] + moved['h2d']) / report.num_params * ranks:.2f} bytes a parameter; the paper: 4)")  # fmt: skip
+    if _rank() == 0:
+        plot_losses({f"ZeRO-2 + CPU offload, {ranks} rank(s)": losses}, out / "loss.png",
+                    title=f"{cfg.num_params() / 1e6:.0f}M-parameter GPT under a {format_bytes(budget)} device")  # fmt: skip
+    return {"params": engine.num_params, "ranks": ranks, "steps": steps, "losses": losses,
+            "device_peak": report.device.peak, "budget": budget, "pcie_bytes_per_step": moved}  # fmt: skip
 
 
-def train(out: Path, *, steps: int, budget: int, model_name: str = "tiny", batch: int = 8) -> dict:
-    """Part 5: a longer run, on the device and offloaded, from the same weights: the same loss curve."""
-    cfg = gpt_config(model_name)
+def memory_per_tier(cfg: GPTConfig, budget: int, out: Path) -> dict:
+    """Part 4: one step of each configuration; the model states each tier holds on this rank, measured."""
     _section(
-        f"5. Training a {cfg.num_params() / 1e6:.2f}M-parameter GPT on the course text, fp16, "
-        f"{steps} steps: stage 0 on the device, then ZeRO-2 + CPU offload"
+        f"4. Memory per tier, per rank, {cfg.num_params() / 1e6:.1f}M parameters (measured after one step)"
     )
-    runs = {}
-    for label, zero in (("stage 0 (device)", {"stage": 0}), ("stage 2 + CPU offload", OFFLOAD)):
-        torch.manual_seed(0)
-        engine = initialize(TinyGPT(cfg), _train_config(batch, zero), accelerator=EmulatedAccelerator(budget))
-        losses, seconds = _run(engine, cfg, steps, batch, label)
-        runs[label] = {"engine": engine, "losses": losses, "seconds": seconds}
-    device, offloaded = runs.values()
-    report = offloaded["engine"].memory_report()
-    print(report)
-    gap = max(abs(a - b) for a, b in zip(device["losses"], offloaded["losses"], strict=True))
-    for label, run in runs.items():
-        losses = run["losses"]
-        print(
-            f"{label:<24} loss {losses[0]:.3f} -> {losses[-1]:.3f}, {run['seconds'] * 1000:.0f} ms/step, "
-            f"{run['engine'].skipped_steps} steps skipped on fp16 overflow"
-        )
-    print(f"largest loss difference between the two runs: {gap:.2e} (anything above 0 is fp16 rounding)")
-    plot = plot_losses(
-        {label: run["losses"] for label, run in runs.items()},
-        out / "loss.png",
-        title="Tiny GPT on the course text: device vs CPU offload",
-    )
-    return {
-        "params": offloaded["engine"].num_params,
-        "steps": steps,
-        "ms_per_step": {label: run["seconds"] * 1000 for label, run in runs.items()},
-        "loss_first": offloaded["losses"][0],
-        "loss_last": offloaded["losses"][-1],
-        "max_loss_gap": gap,
-        "skipped_steps": offloaded["engine"].skipped_steps,
-        "memory": {
-            "estimated": report.estimated.as_dict(),
-            "measured": report.measured.as_dict(),
-            "device_peak": report.device.peak,
-            "budget": budget,
-        },
-        "plot": plot.name,
-    }
+    nvme = {"device": "nvme", "nvme_path": str(out / "nvme"), "buffer_count": 2}
+    configs = {
+        "stage 0": {"stage": 0},
+        "ZeRO-2": {"stage": 2},
+        "ZeRO-2 + CPU offload": OFFLOAD,
+        "ZeRO-3 + CPU offload (params too)": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                              "offload_param": {"device": "cpu"}},
+        "ZeRO-2 + NVMe offload": {"stage": 2, "offload_optimizer": nvme, "sub_group_size": 4_000_000},
+    }  # fmt: skip
+    measured, rows = {}, {}
+    data = ByteBatches(load_corpus(), cfg.seq_len, seed=0)
+    for label, zero in configs.items():
+        try:
+            engine = initialize(
+                TinyGPT(cfg), _config(4, zero, budget), accelerator=EmulatedAccelerator(budget)
+            )
+            x, y = data.micro_batch(
+                0, 4 // engine.comm.world_size, rank=_rank(), world_size=engine.comm.world_size
+            )
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+            report = engine.memory_report()
+            measured[label] = report.measured
+            rows[label] = {**report.measured.as_dict(), "device_peak": report.device.peak}
+        except DeviceOutOfMemoryError:
+            rows[label] = {"out_of_memory": True}
+        finally:
+            engine = None
+    say(f"{'configuration':<36}{'device':>12}{'host':>12}{'NVMe':>12}{'device peak':>14}")
+    for label, row in rows.items():
+        if row.get("out_of_memory"):
+            say(f"{label:<36}{'out of memory':>12}")
+        else:
+            say(f"{label:<36}{format_bytes(row['device']):>12}{format_bytes(row['host']):>12}"
+                f"{format_bytes(row['nvme']):>12}{format_bytes(row['device_peak']):>14}")  # fmt: skip
+    if _rank() == 0:
+        plot_model_states(measured, out / "memory_per_tier.png", capacity=budget, tiers=("device", "host", "nvme"),
+                          unit=2**20, unit_name="MiB", title=f"{cfg.num_params() / 1e6:.0f}M parameters: model states per tier, per rank")  # fmt: skip
+    return rows
 
 
-def write_report(out: Path, results: dict) -> Path:
-    part1, fits, part5 = results["thirteen_billion"], results["offload_fits"], results["training"]
-    lines = [
-        "# zero-offload demo report",
-        "",
-        "## 1. Model states of a 13B model",
-        "",
-        "| configuration | device | host |",
-        "|---|---|---|",
-        *(
-            f"| {k} | {format_gb(v['device'])} | {format_gb(v['host'])} |"
-            for k, v in part1["estimates"].items()
-        ),
-        "",
-        f"![13B model states]({part1['plot']})",
-        "",
-        "## 2. The introduction's config",
-        "",
-        "```",
-        results["introduction_config"],
-        "```",
-        "",
-        "## 3. Stage 0 out of memory",
-        "",
-        "```",
-        results["out_of_memory"],
-        "```",
-        "",
-        "## 4. ZeRO-2 + CPU offload in the same budget",
-        "",
-        f"{fits['params']:,} parameters, {fits['steps']} steps, {fits['ms_per_step']:.0f} ms/step "
-        f"(CPU Adam {fits['adam_ms_per_step']:.0f} ms); loss {fits['loss_first']:.3f} -> {fits['loss_last']:.3f}; "
-        f"device peak {format_bytes(fits['memory']['device_peak'])} of {format_bytes(fits['memory']['budget'])}.",
-        f"PCIe per step: {format_bytes(fits['pcie_bytes_per_step']['d2h'])} down, "
-        f"{format_bytes(fits['pcie_bytes_per_step']['h2d'])} up.",
-        "",
-        "| tier | estimated | measured |",
-        "|---|---|---|",
-        *(
-            f"| {t} | {format_bytes(fits['memory']['estimated'][t])} | {format_bytes(fits['memory']['measured'][t])} |"
-            for t in ("device", "host", "nvme")
-        ),
-        "",
-        "## 5. Training on the device and offloaded",
-        "",
-        f"{part5['params']:,} parameters, {part5['steps']} steps; "
-        + ", ".join(f"{k}: {v:.0f} ms/step" for k, v in part5["ms_per_step"].items())
-        + f"; loss {part5['loss_first']:.3f} -> {part5['loss_last']:.3f}; largest loss difference between the "
-        f"runs {part5['max_loss_gap']:.1e}; {part5['skipped_steps']} steps skipped on fp16 overflow.",
-        "",
-        f"![loss]({part5['plot']})",
-        "",
-    ]
-    path = out / "report.md"
-    path.write_text("\n".join(lines), encoding="utf-8")
-    (out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
-    return path
+def machine_parts(out: Path, budget: int, *, quick: bool) -> dict:
+    """Parts 3 and 5, on one process: step times and the largest model measure this machine."""
+    from .practice.largest import host_memory_available, largest_without_offload, offloaded_run
+    from .practice.schedules import compare_schedules, split_cores
+
+    _section("3. Serial vs overlapped vs delayed (DPU) offload: step time, batch 1 (optimizer-heavy)")
+    schedules = {}
+    for cores in ("split", "shared") if split_cores() else ("shared",):
+        r = compare_schedules("nano" if quick else "10m", seq_len=8, rounds=2 if quick else 5,
+                              steps=2 if quick else 4, cores=cores, out_dir=out)  # fmt: skip
+        schedules[cores] = {k: v for k, v in r.items() if k != "losses"}
+        say(f"{cores} cores: " + ", ".join(f"{k} {v:.0f} ms" for k, v in r["median_ms"].items())
+            + f"; overlapped / serial {r['overlapped_vs_serial']:.2f}x, DPU / overlapped "
+            f"{r['delayed_vs_overlapped']:.2f}x")  # fmt: skip
+    _section(f"5. The largest model that trains under {format_bytes(budget)}, without and with offload")
+    plain = largest_without_offload(budget)
+    say(f"without offload (stage 0, bf16): {plain['params'] / 1e6:.1f}M parameters trains "
+        f"(d_model {plain['d_model']}, {plain['n_layer']} layers); the next width: {plain['next_oom']}")  # fmt: skip
+    model = "small" if quick else ("1b" if host_memory_available() > 22 * 2**30 else "100m")
+    if model == "100m":
+        say(f"only {format_bytes(host_memory_available())} of host memory is free: 1B needs about 20 GB; "
+            "training the 100M preset instead")  # fmt: skip
+    offloaded = offloaded_run(model, budget=budget, steps=3)
+    say(f"with stage 3 + param and optimizer offload: {offloaded['params'] / 1e6:,.0f}M parameters, losses "
+        + " -> ".join(f"{v:.3f}" for v in offloaded["losses"])
+        + f", device peak {format_bytes(offloaded['device_peak'])}, host {format_bytes(offloaded['host_bytes'])}; "
+        f"{offloaded['params'] / plain['params']:.0f}x the largest model without offload")  # fmt: skip
+    return {"schedules": schedules, "largest": {"without": plain, "with": offloaded}}
 
 
-def run_demo(out_dir: str | Path = "out/demo", *, steps: int = 300, offload_steps: int = 20) -> Path:
-    out = Path(out_dir)
+def run_demo(out_dir: str | Path = "out/demo", *, ranks: int = 2, budget: int | str = "512MiB",
+             steps: int = 30, quick: bool = False) -> Path:  # fmt: skip
+    """Run the demo (under torchrun with `ranks` processes unless already launched) and return the report."""
+    out, budget = Path(out_dir), parse_bytes(budget)
+    if ranks > 1 and "RANK" not in os.environ:
+        return _launch(out, ranks=ranks, budget=budget, steps=steps, quick=quick)
     out.mkdir(parents=True, exist_ok=True)
-    results = {
-        "thirteen_billion": thirteen_billion(out),
-        "introduction_config": introduction_config(),
-        "out_of_memory": out_of_memory(budget=64 * 2**20),
-        "offload_fits": offload_fits(64 * 2**20, steps=offload_steps),
-        "training": train(out, steps=steps, budget=64 * 2**20),
-    }
-    path = write_report(out, results)
-    _section(f"Report written to {path} (plots beside it)")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from .principles.comm import init_distributed
+
+        init_distributed()
+        torch.set_num_threads(1)  # the ranks share this machine's cores
+    model = QUICK_MODEL if quick else MODEL
+    if quick:  # the quick model's stage-0 states take 13 MiB: a budget it cannot fit, as 512 MB for MODEL
+        budget = min(budget, 10 * 2**20)
+    results = {"arithmetic": arithmetic(out), "out_of_memory": out_of_memory(model, budget),
+               "offload": offload_trains(model, budget, out, steps=steps),
+               "memory": memory_per_tier(model, budget, out)}  # fmt: skip
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    path = out / "report.md"
+    if _rank_from_env() == 0:
+        torch.set_num_threads(os.cpu_count() or 1)
+        results.update(machine_parts(out, budget, quick=quick))
+        write_report(out, results)
+        (out / "results.json").write_text(json.dumps(results, indent=2, default=str), encoding="utf-8")
+        print(f"\nReport: {path.resolve()} (plots beside it)")
     return path
+
+
+def _rank_from_env() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _launch(out: Path, *, ranks: int, budget: int, steps: int, quick: bool) -> Path:
+    from .principles.comm import free_port
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "zero_offload.cli",
+               "demo", "--out", str(out), "--budget", str(budget), "--steps", str(steps)]  # fmt: skip
+    code = subprocess.run(command + (["--quick"] if quick else [])).returncode
+    if code != 0:
+        raise SystemExit(f"the demo failed (exit code {code}); the rank that failed printed why, above")
+    return out / "report.md"

@@ -335,6 +335,7 @@ class Engine:
                 and self.config.gradient_clipping == 0
                 and not (self._delayed is not None and self._delayed.active(self.global_steps))
             )
+            self._pipeline.direct = self._one_pass and self.gradient_accumulation_steps == 1
         self.states.before_backward()
         with self._timeline.span("backward"):
             (loss.float() * (self.scaler.scale / self.gradient_accumulation_steps)).backward()

@@ -492,11 +492,8 @@ MUTANTS.update(
                 """
             slot, staging = self.grad_slots.acquire(self.copy, shard.numel())
             transfers.to_host(staging, shard)
-            done = self.host.submit(self._accumulate, index, staging, 1.0 / states.loss_scale())
+            done = self._take_gradient(index, staging)
             self.grad_slots.release(slot, done)
-            self._pending.append(done)
-            if self.eager:
-                self._update_unit(index)
         """,
             ),
             # Each `old` starts at a line's indentation: the comments above the code name the same calls.
@@ -509,7 +506,10 @@ MUTANTS.update(
                 "the slot is never handed back",
                 (_CODE + "self.grad_slots.release(slot, done)", _CODE + "pass"),
             ),
-            ("Adam never starts during backward", ("    self._update_unit(index)\n", "    pass\n")),
+            (
+                "the slot is handed back when the copy lands, before the host has read it",
+                (_CODE + "self.grad_slots.release(slot, done)", _CODE + "self.grad_slots.release(slot, down)"),
+            ),
         ],
         "5.2": [
             ("never waits for the slot's reader", ("writer.wait_event(reader)", "pass")),

@@ -42,12 +42,9 @@ def _reference_deliver(self, index, shard):
     slot, staging = self.grad_slots.acquire(self.copy, shard.numel())
     down = self.copy.submit(self.states.transfers.to_host, staging, shard, blocking=False)
     self.host.wait_event(down)
-    done = self.host.submit(self._accumulate, index, staging, 1.0 / self.states.loss_scale())
+    done = self._take_gradient(index, staging)
     self.grad_slots.release(slot, done)
-    self._alive.append(shard)
-    self._pending.append(done)
-    if self.eager:
-        self._update_unit(index)
+    self._keep_until(shard, down)
 
 
 def _reference_step(self, grads, adam, publish, *, skip):

@@ -25,9 +25,7 @@ are asynchronous DMA from pinned memory.
 
 from __future__ import annotations
 
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -41,13 +39,6 @@ class HostQueue(_WorkerStream):
 
     Pinning models a GPU and a CPU as separate processors on a machine that has only CPUs: the device's
     compute keeps its cores, the host's Adam gets the others, and neither waits for the other's cores."""
-
-    def __init__(self, name: str, cores: list[int] | None = None):
-        super().__init__(name)
-        if cores:
-            # Threads the C Adam starts from this thread inherit its affinity.
-            self._pool.shutdown()
-            self._pool = ThreadPoolExecutor(1, name, initializer=os.sched_setaffinity, initargs=(0, cores))
 
 
 class SlotRing:
@@ -81,9 +72,11 @@ class SlotRing:
 class OffloadPipeline:
     """Runs the offloaded part of a step (OffloadedStates' host units) through the copy stream and host queue."""
 
-    def __init__(self, states, accel: Accelerator, *, host: HostQueue, slots: int = 2):
+    def __init__(self, states, accel: Accelerator, *, host: HostQueue, cores=None, slots: int = 2):
         self.states, self.accel = states, accel
-        self.copy = accel.new_stream("zo-copy")
+        # On the emulated device the copies are memcpy by a CPU core: the host's (`cores`), standing in for
+        # the DMA engines, so that they do not take the device's compute core.
+        self.copy = accel.new_stream("zo-copy", cores)
         self.host = host
         largest = max((u.shard_numel for u in states.units[: states.host_units]), default=0)
         pin = states.pin_optimizer
@@ -98,9 +91,15 @@ class OffloadPipeline:
             self.weight_slots = ring(states.dtype)
         self.optimizer = None  # the host's Adam, set by the engine
         self.eager = False  # Adam runs as each gradient arrives (decided per backward by the engine)
+        self.final = False  # this backward is the last micro-batch before the step
+        # Eager with a single micro-batch and the C Adam: the gradient is never added anywhere, so Adam reads
+        # the staging slot itself, and the fp32 gradient partition is neither written nor cleared.
+        self.direct = False
+        self.accumulated = False  # something was added into the fp32 partition since it was last cleared
+        self.squared_norms: dict[int, float] = {}  # unit -> squared norm of its complete gradient
         self.clip_factor = 1.0
         self._pending: list[Event] = []  # what must finish before the step can go on
-        self._alive: list[torch.Tensor] = []  # device shards whose copies may still be reading them
+        self._alive: list[tuple[torch.Tensor, Event]] = []  # device shards whose copy may still read them
         self._uploads: list = []  # (index, slot, source, Adam's event) not yet on the copy stream
         self.updated: set[int] = set()  # units whose Adam has been queued this step
         self.adam_seconds = 0.0
@@ -108,22 +107,47 @@ class OffloadPipeline:
     # -- backward: called by OffloadedStates as each reduced shard is ready -----------------------------------
     def deliver(self, index: int, shard: torch.Tensor) -> None:
         """Schedule unit `index`'s gradient shard: down the link, into the fp32 partition, and (eager) Adam."""
-        states, transfers = self.states, self.states.transfers
+        transfers = self.states.transfers
         # Lab 5.1: the double-buffered bucket schedule
         # 1. slot, staging = self.grad_slots.acquire(self.copy, shard.numel()): a free staging slot, with the
         #    copy stream made to wait until it is free (Lab 5.2).
         # 2. down = self.copy.submit(transfers.to_host, staging, shard, blocking=False): the D2H copy, on the
         #    copy stream, so that backward goes on while it runs.
         # 3. The host must not read the slot before the copy has landed: self.host.wait_event(down). Then
-        #    done = self.host.submit(self._accumulate, index, staging, 1.0 / states.loss_scale()) adds it,
-        #    unscaled, into the fp32 gradient partition.
-        # 4. The accumulate is the slot's last reader: self.grad_slots.release(slot, done). Keep `shard` alive
-        #    (append it to self._alive) until the copy has read it, and append `done` to self._pending.
-        # 5. When self.eager, the unit's Adam and upload follow at once: self._update_unit(index).
+        #    done = self._take_gradient(index, staging) queues the host's work on it (add it into the fp32
+        #    gradient partition; or, eager, run the unit's Adam and queue its upload) and returns the event of
+        #    that work's last read of the slot.
+        # 4. That work is the slot's last reader: self.grad_slots.release(slot, done). Keep the device shard
+        #    alive until the copy has read it: self._keep_until(shard, down).
         raise NotImplementedError("Lab 5.1: the double-buffered bucket schedule")
 
+    def _keep_until(self, shard: torch.Tensor, copied: Event) -> None:
+        """Hold the device shard until `copied`; drop those already copied, so the device keeps only the buckets
+        still in flight (a CUDA allocator would otherwise reuse memory a copy is still reading)."""
+        self._alive = [(t, e) for t, e in self._alive if not e.done()] + [(shard, copied)]
+
+    def _take_gradient(self, index: int, staging: torch.Tensor) -> Event:
+        """Queue the host's work on a gradient that has arrived in `staging`; the event of its last read."""
+        if self.eager and self.direct:  # nothing to add it to: Adam reads the slot itself
+            return self._update_unit(index, grad=staging)
+        done = self.host.submit(self._accumulate, index, staging, 1.0 / self.states.loss_scale())
+        self._pending.append(done)
+        self.accumulated = True
+        if self.eager:
+            self._update_unit(index)
+        return done
+
     def _accumulate(self, index: int, staging: torch.Tensor, inv_scale: float) -> None:
-        self.states.grad_shards[index].add_(staging, alpha=inv_scale)
+        grad = self.states.grad_shards[index]
+        grad.add_(staging, alpha=inv_scale)
+        if self.final:  # the gradient is complete: its share of the global norm, here rather than at the step
+            self.squared_norms[index] = float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
+
+    def zero_grad(self) -> None:
+        """Clear the host's fp32 gradients on the host queue, behind this step's work, while forward runs."""
+        if self.accumulated:
+            self._pending.append(self.host.submit(self.states.flat_grad.zero_))
+        self.accumulated = False
 
     # -- the step ------------------------------------------------------------------------------------------
     def update(self, clip_factor: float) -> None:
@@ -134,8 +158,9 @@ class OffloadPipeline:
                 self._update_unit(index)
         self._submit_uploads()
 
-    def _update_unit(self, index: int) -> None:
-        """Queue Adam on unit `index` behind what the host queue already holds, then its weights' upload."""
+    def _update_unit(self, index: int, grad: torch.Tensor | None = None) -> Event:
+        """Queue Adam on unit `index` behind what the host queue already holds, then its weights' upload;
+        the event of Adam. `grad`: a staging slot Adam reads directly (module 4's C Adam only)."""
         states = self.states
         self.updated.add(index)
         slot, out = None, None
@@ -143,13 +168,14 @@ class OffloadPipeline:
             out = states.param_shards[index]  # the weights live on the host: rounded in place, gathered later
         elif self.weight_slots is not None:  # fp16/bf16: rounded into an upload slot in the same pass
             slot, out = self.weight_slots.acquire(self.host, states.units[index].shard_numel)
-        adam = self.host.submit(self._adam, index, out)
+        adam = self.host.submit(self._adam, index, out, grad)
         self._pending.append(adam)
         if not states.offload_param:
             source = out if out is not None else states.master_params[index]  # fp32: the master itself
             self._uploads.append((index, slot, source, adam))
             if self.copy.waits_without_blocking:
                 self._submit_uploads()
+        return adam
 
     def _submit_uploads(self) -> None:
         """Queue the uploads whose Adam has been queued.
@@ -165,11 +191,14 @@ class OffloadPipeline:
                 self.weight_slots.release(slot, up)
             self._pending.append(up)
 
-    def _adam(self, index: int, out: torch.Tensor | None) -> None:
+    def _adam(self, index: int, out: torch.Tensor | None, staged: torch.Tensor | None = None) -> None:
         states, optimizer = self.states, self.optimizer
         master, grad = states.master_params[index], states.grad_shards[index]
         start = time.perf_counter()
-        if isinstance(optimizer, CPUAdam):  # module 4: Adam and the rounding in one pass
+        if staged is not None:  # straight from the slot: the gradient is this micro-batch's, loss scale 1
+            self.squared_norms[index] = float(torch.linalg.vector_norm(staged, dtype=torch.float64)) ** 2
+            one_pass_update(optimizer, master, staged, out, self.clip_factor)
+        elif isinstance(optimizer, CPUAdam):  # module 4: Adam and the rounding in one pass
             one_pass_update(optimizer, master, grad, out, self.clip_factor)
         else:
             adam_step(optimizer, [master], [grad], self.clip_factor)
@@ -193,4 +222,5 @@ class OffloadPipeline:
     def new_step(self) -> None:
         """Forget the last step's bookkeeping (call after wait())."""
         self.updated = set()
+        self.squared_norms = {}
         self.adam_seconds = 0.0

@@ -22,6 +22,7 @@ each time their layer is gathered (forward and again for backward).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import warnings
@@ -192,8 +193,11 @@ class OffloadedStates(ShardedStates):
         zero,
         *,
         loss_scale: Callable[[], float],
+        pipelined: bool = False,
     ):
         self.transfers = Transfers(accel)
+        # Module 5's pipeline stages gradients through two slots of its own: no full-size staging buffer here.
+        self.pipelined = pipelined
         self.loss_scale = loss_scale  # read as each shard arrives: gradients reach the host unscaled
         self.offload_param = zero.offload_param.enabled
         self.pin_optimizer = zero.offload_optimizer.pin_memory
@@ -234,7 +238,9 @@ class OffloadedStates(ShardedStates):
     def _allocate_gradients(self, full_numel: int, shard_numel: int) -> None:
         host, device = self._placement()
         self.flat_grad = self._host(sum(host), torch.float32, self.pin_optimizer)
-        self.grad_staging = self._split(self._host(sum(host), self.dtype, self.pin_optimizer), host)
+        self.grad_staging = []
+        if not self.pipelined:
+            self.grad_staging = self._split(self._host(sum(host), self.dtype, self.pin_optimizer), host)
         # Units updated on the device keep a gradient shard there, in the training precision, still scaled.
         self.device_grad = self.accel.zeros(sum(device), self.dtype, category="gradients")
         self.grad_shards = self._split(self.flat_grad, host) + self._split(self.device_grad, device)
@@ -337,8 +343,23 @@ class OffloadedStates(ShardedStates):
             if self.stage < 3:
                 all_gather_unit(self.comm, self.full_params[index], self.param_shards[index])
 
+    def grad_norm(self, grads: list[torch.Tensor]) -> float:
+        if self.pipeline is None or not self.pipeline.squared_norms:
+            return super().grad_norm(grads)
+        # Module 5: the host summed each of its units' squares as the gradient arrived; the same numbers in
+        # the same order as the loop over `grads` would give.
+        squares = self.pipeline.squared_norms
+        local = sum(
+            squares[i] if i in squares else float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
+            for i, g in enumerate(grads)
+        )
+        return math.sqrt(self.comm.sum(local))
+
     def zero_grad(self) -> None:
-        self.flat_grad.zero_()
+        if self.pipeline is not None:
+            self.pipeline.zero_grad()
+        else:
+            self.flat_grad.zero_()
         self.device_grad.zero_()
 
     def record(self, ledger) -> None:
@@ -351,7 +372,11 @@ class OffloadedStates(ShardedStates):
 
     def host_staging_bytes(self) -> int:
         """Host memory beyond the model states: the fp16 buffers gradients and weights pass through."""
-        buffers = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.grad_staging}
+        staging = list(self.grad_staging)
+        if self.pipeline is not None:  # module 5's double-buffered slots
+            staging += self.pipeline.grad_slots.buffers
+            staging += self.pipeline.weight_slots.buffers if self.pipeline.weight_slots else []
+        buffers = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in staging}
         if not self.offload_param and self.dtype != torch.float32:
             buffers.update(
                 {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.param_staging}

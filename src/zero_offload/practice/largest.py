@@ -26,16 +26,17 @@ from ..workloads import ByteBatches, GPTConfig, TinyGPT, gpt_config, lm_loss, lo
 BATCH, SEQ = 1, 32  # a short sequence: activations stay small, the model states are what is measured
 
 
-def _config(offload: bool, budget: int) -> dict:
+def _config(cfg: GPTConfig, offload: bool, budget: int) -> dict:
     zero = {"stage": 0}
     if offload:
+        block = 12 * cfg.d_model**2 + 13 * cfg.d_model  # one transformer block's parameters
         zero = {
             "stage": 3,
             "offload_param": {"device": "cpu"},
             "offload_optimizer": {"device": "cpu"},
-            # One layer in flight at a time: the gather of the next waits for the bucket budget.
-            "allgather_bucket_size": 60_000_000,
-            "reduce_bucket_size": 60_000_000,
+            # About one block gathered ahead and one bucket of gradients: the device holds a layer or two.
+            "allgather_bucket_size": block,
+            "reduce_bucket_size": block,
         }
     return {
         "train_batch_size": BATCH,
@@ -53,7 +54,7 @@ def train_steps(cfg: GPTConfig, *, offload: bool, budget: int, steps: int) -> di
     try:
         start = time.perf_counter()
         model = TinyGPT(cfg, seed=0, dtype=torch.bfloat16)
-        engine = initialize(model, _config(offload, budget), accelerator=EmulatedAccelerator(budget))
+        engine = initialize(model, _config(cfg, offload, budget), accelerator=EmulatedAccelerator(budget))
         losses = []
         for step in range(steps):
             x, y = data.global_batch(step, BATCH)
@@ -124,5 +125,9 @@ def offloaded_run(model: str = "1b", *, budget: int, steps: int = 3) -> dict:
             "programs, or pick a smaller preset (e.g. '100m')"
         )
     result = train_steps(cfg, offload=True, budget=budget, steps=steps)
+    if "oom" in result:
+        raise RuntimeError(
+            f"{model!r} does not train under {format_bytes(budget)} even with offload: {result['oom']}"
+        )
     result["model"] = model
     return result

@@ -96,10 +96,14 @@ class OffloadPipeline:
         self.optimizer = None  # the host's Adam, set by the engine
         self.eager = False  # Adam runs as each gradient arrives (decided per backward by the engine)
         self.final = False  # this backward is the last micro-batch before the step
+        # Eager with a single micro-batch and the C Adam: the gradient is never added anywhere, so Adam reads
+        # the staging slot itself, and the fp32 gradient partition is neither written nor cleared.
+        self.direct = False
+        self.accumulated = False  # something was added into the fp32 partition since it was last cleared
         self.squared_norms: dict[int, float] = {}  # unit -> squared norm of its complete gradient
         self.clip_factor = 1.0
         self._pending: list[Event] = []  # what must finish before the step can go on
-        self._alive: list[torch.Tensor] = []  # device shards whose copies may still be reading them
+        self._alive: list[tuple[torch.Tensor, Event]] = []  # device shards whose copy may still read them
         self._uploads: list = []  # (index, slot, source, Adam's event) not yet on the copy stream
         self.updated: set[int] = set()  # units whose Adam has been queued this step
         self.adam_seconds = 0.0
@@ -107,28 +111,41 @@ class OffloadPipeline:
     # -- backward: called by OffloadedStates as each reduced shard is ready -----------------------------------
     def deliver(self, index: int, shard: torch.Tensor) -> None:
         """Schedule unit `index`'s gradient shard: down the link, into the fp32 partition, and (eager) Adam."""
-        states, transfers = self.states, self.states.transfers
+        transfers = self.states.transfers
         # BEGIN LAB 5.1: the double-buffered bucket schedule
         # 1. slot, staging = self.grad_slots.acquire(self.copy, shard.numel()): a free staging slot, with the
         #    copy stream made to wait until it is free (Lab 5.2).
         # 2. down = self.copy.submit(transfers.to_host, staging, shard, blocking=False): the D2H copy, on the
         #    copy stream, so that backward goes on while it runs.
         # 3. The host must not read the slot before the copy has landed: self.host.wait_event(down). Then
-        #    done = self.host.submit(self._accumulate, index, staging, 1.0 / states.loss_scale()) adds it,
-        #    unscaled, into the fp32 gradient partition.
-        # 4. The accumulate is the slot's last reader: self.grad_slots.release(slot, done). Keep `shard` alive
-        #    (append it to self._alive) until the copy has read it, and append `done` to self._pending.
-        # 5. When self.eager, the unit's Adam and upload follow at once: self._update_unit(index).
+        #    done = self._take_gradient(index, staging) queues the host's work on it (add it into the fp32
+        #    gradient partition; or, eager, run the unit's Adam and queue its upload) and returns the event of
+        #    that work's last read of the slot.
+        # 4. That work is the slot's last reader: self.grad_slots.release(slot, done). Keep the device shard
+        #    alive until the copy has read it: self._keep_until(shard, down).
         slot, staging = self.grad_slots.acquire(self.copy, shard.numel())
         down = self.copy.submit(transfers.to_host, staging, shard, blocking=False)
         self.host.wait_event(down)
-        done = self.host.submit(self._accumulate, index, staging, 1.0 / states.loss_scale())
+        done = self._take_gradient(index, staging)
         self.grad_slots.release(slot, done)
-        self._alive.append(shard)
+        self._keep_until(shard, down)
+        # END LAB 5.1
+
+    def _keep_until(self, shard: torch.Tensor, copied: Event) -> None:
+        """Hold the device shard until `copied`; drop those already copied, so the device keeps only the buckets
+        still in flight (a CUDA allocator would otherwise reuse memory a copy is still reading)."""
+        self._alive = [(t, e) for t, e in self._alive if not e.done()] + [(shard, copied)]
+
+    def _take_gradient(self, index: int, staging: torch.Tensor) -> Event:
+        """Queue the host's work on a gradient that has arrived in `staging`; the event of its last read."""
+        if self.eager and self.direct:  # nothing to add it to: Adam reads the slot itself
+            return self._update_unit(index, grad=staging)
+        done = self.host.submit(self._accumulate, index, staging, 1.0 / self.states.loss_scale())
         self._pending.append(done)
+        self.accumulated = True
         if self.eager:
             self._update_unit(index)
-        # END LAB 5.1
+        return done
 
     def _accumulate(self, index: int, staging: torch.Tensor, inv_scale: float) -> None:
         grad = self.states.grad_shards[index]
@@ -138,7 +155,9 @@ class OffloadPipeline:
 
     def zero_grad(self) -> None:
         """Clear the host's fp32 gradients on the host queue, behind this step's work, while forward runs."""
-        self._pending.append(self.host.submit(self.states.flat_grad.zero_))
+        if self.accumulated:
+            self._pending.append(self.host.submit(self.states.flat_grad.zero_))
+        self.accumulated = False
 
     # -- the step ------------------------------------------------------------------------------------------
     def update(self, clip_factor: float) -> None:
@@ -149,8 +168,9 @@ class OffloadPipeline:
                 self._update_unit(index)
         self._submit_uploads()
 
-    def _update_unit(self, index: int) -> None:
-        """Queue Adam on unit `index` behind what the host queue already holds, then its weights' upload."""
+    def _update_unit(self, index: int, grad: torch.Tensor | None = None) -> Event:
+        """Queue Adam on unit `index` behind what the host queue already holds, then its weights' upload;
+        the event of Adam. `grad`: a staging slot Adam reads directly (module 4's C Adam only)."""
         states = self.states
         self.updated.add(index)
         slot, out = None, None
@@ -158,13 +178,14 @@ class OffloadPipeline:
             out = states.param_shards[index]  # the weights live on the host: rounded in place, gathered later
         elif self.weight_slots is not None:  # fp16/bf16: rounded into an upload slot in the same pass
             slot, out = self.weight_slots.acquire(self.host, states.units[index].shard_numel)
-        adam = self.host.submit(self._adam, index, out)
+        adam = self.host.submit(self._adam, index, out, grad)
         self._pending.append(adam)
         if not states.offload_param:
             source = out if out is not None else states.master_params[index]  # fp32: the master itself
             self._uploads.append((index, slot, source, adam))
             if self.copy.waits_without_blocking:
                 self._submit_uploads()
+        return adam
 
     def _submit_uploads(self) -> None:
         """Queue the uploads whose Adam has been queued.
@@ -180,11 +201,14 @@ class OffloadPipeline:
                 self.weight_slots.release(slot, up)
             self._pending.append(up)
 
-    def _adam(self, index: int, out: torch.Tensor | None) -> None:
+    def _adam(self, index: int, out: torch.Tensor | None, staged: torch.Tensor | None = None) -> None:
         states, optimizer = self.states, self.optimizer
         master, grad = states.master_params[index], states.grad_shards[index]
         start = time.perf_counter()
-        if isinstance(optimizer, CPUAdam):  # module 4: Adam and the rounding in one pass
+        if staged is not None:  # straight from the slot: the gradient is this micro-batch's, loss scale 1
+            self.squared_norms[index] = float(torch.linalg.vector_norm(staged, dtype=torch.float64)) ** 2
+            one_pass_update(optimizer, master, staged, out, self.clip_factor)
+        elif isinstance(optimizer, CPUAdam):  # module 4: Adam and the rounding in one pass
             one_pass_update(optimizer, master, grad, out, self.clip_factor)
         else:
             adam_step(optimizer, [master], [grad], self.clip_factor)

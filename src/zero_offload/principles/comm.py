@@ -147,6 +147,13 @@ def _check_writable(tensor: torch.Tensor, what: str) -> None:
         )
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now: for a rendezvous on loopback."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class CommunicationError(RuntimeError):
     """A collective failed: usually another rank died or timed out."""
 

@@ -1,12 +1,14 @@
-"""Run `zo train` as several torchrun "nodes" on this machine, meeting on loopback (`make train-multinode`).
+"""Run `zo train` or `zo demo` as several torchrun "nodes" on this machine, meeting on loopback
+(`make train-multinode`, `make demo-multinode`).
 
-    python tools/train_multinode.py --nodes 2 -- --model tiny --steps 50 --out out/train-multinode
+    python tools/multinode.py --nodes 2 -- --model tiny --steps 50 --out out/train-multinode
+    python tools/multinode.py --command demo --nodes 2 -- --out out/demo-multinode
 
-Everything after `--` goes to `zo train`; without a --config there, a small ZeRO-2 + CPU-offload config is
-written to OUT/ds_config.json. Node i is one torchrun agent with --node_rank i, as it would be on machine i:
+Everything after `--` goes to the `zo` command; for `zo train` without a --config there, a small ZeRO-2 +
+CPU-offload config is written to OUT/ds_config.json. Node i is one torchrun agent with --node_rank i, as it would be on machine i:
 
     torchrun --nnodes N --node_rank i --nproc_per_node P --master_addr 127.0.0.1 --master_port PORT \\
-             -m zero_offload.cli train ...
+             -m zero_offload.cli train ...    (or demo)
 
 On real machines run that command on each, with --master_addr the first machine's address and an --out they
 all share. When a node fails, the others get --grace seconds to stop on their own (their ranks say which step
@@ -17,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from zero_offload.principles.comm import free_port
 
 CONFIG = {
     "train_batch_size": 8,
@@ -30,16 +33,12 @@ CONFIG = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def node_command(node: int, nodes: int, nproc: int, port: int, train_args: list[str]) -> list[str]:
+def node_command(
+    node: int, nodes: int, nproc: int, port: int, args: list[str], command: str = "train"
+) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(node),
             "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(port),
-            "-m", "zero_offload.cli", "train", *train_args]  # fmt: skip
+            "-m", "zero_offload.cli", command, *args]  # fmt: skip
 
 
 def wait_all(procs: list[subprocess.Popen], grace: float) -> int:
@@ -66,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     )
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--command", default="train", choices=["train", "demo"], help="the zo command to run")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--nproc-per-node", type=int, default=1)
     parser.add_argument("--port", type=int, help="rendezvous port on 127.0.0.1 (default: a free one)")
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     seen.add_argument("--config")
     seen.add_argument("--out", default="out/train")
     known, _ = seen.parse_known_args(train_args)
-    if known.config is None:
+    if args.command == "train" and known.config is None:
         config = Path(known.out) / "ds_config.json"
         config.parent.mkdir(parents=True, exist_ok=True)
         config.write_text(json.dumps(CONFIG, indent=2) + "\n", encoding="utf-8")
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"using the example config {config}", file=sys.stderr)
     port = args.port or free_port()
     procs = [
-        subprocess.Popen(node_command(node, args.nodes, args.nproc_per_node, port, train_args))
+        subprocess.Popen(node_command(node, args.nodes, args.nproc_per_node, port, train_args, args.command))
         for node in range(args.nodes)
     ]
     try:
