@@ -59,16 +59,21 @@ def test_grading_an_unknown_lab_fails_cleanly(capsys):
     assert main(["grade", "9"]) == 2
 
 
-def test_demo_runs_end_to_end_and_writes_its_report(tmp_path):
-    report = run_demo(tmp_path, steps=6, offload_steps=2)
+def test_demo_runs_end_to_end_on_two_ranks_and_writes_its_report(tmp_path):
+    # --quick: the same five parts with a 0.8M-parameter model under a 10 MiB device.
+    report = run_demo(tmp_path, ranks=2, quick=True, steps=4)
     text = report.read_text()
     assert "208.0 GB" in text and "offload_param" in text and "out of memory" in text
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["training"]["memory"]["estimated"] == results["training"]["memory"]["measured"]
-    fits = results["offload_fits"]  # the model stage 0 could not hold trains in the same budget
-    assert (
-        fits["memory"]["device_peak"] <= fits["memory"]["budget"] and fits["memory"]["measured"]["host"] > 0
-    )
-    assert fits["pcie_bytes_per_step"]["d2h"] == fits["pcie_bytes_per_step"]["h2d"] > 0
-    for plot in ("memory_13b.png", "loss.png"):
+    offload = results["offload"]  # the model stage 0 could not hold trains in the same budget, on 2 ranks
+    assert offload["ranks"] == 2 and offload["device_peak"] <= offload["budget"]
+    assert offload["pcie_bytes_per_step"]["d2h"] == offload["pcie_bytes_per_step"]["h2d"] > 0
+    memory = results["memory"]
+    assert memory["stage 0"] == {"out_of_memory": True}
+    assert memory["ZeRO-2 + NVMe offload"]["nvme"] > 0 and memory["ZeRO-2 + CPU offload"]["nvme"] == 0
+    assert memory["ZeRO-3 + CPU offload (params too)"]["device"] < memory["ZeRO-2 + CPU offload"]["device"]
+    assert set(results["schedules"]) <= {"split", "shared"} and results["schedules"]
+    largest = results["largest"]
+    assert largest["with"]["params"] > 10 * largest["without"]["params"]
+    for plot in ("memory_13b.png", "loss.png", "memory_per_tier.png", "timeline_overlapped_shared.png"):
         assert (tmp_path / plot).stat().st_size > 10_000
