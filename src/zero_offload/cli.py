@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--out", default="out/demo")
     demo.add_argument("--ranks", type=int, default=2, help="processes, launched with torchrun on loopback")
     demo.add_argument("--budget", default="512MiB", help="the emulated device's memory, e.g. 512MiB")
-    demo.add_argument("--steps", type=int, default=30, help="training steps of part 2")
+    demo.add_argument("--steps", type=int, default=20, help="training steps of part 2")
     demo.add_argument("--quick", action="store_true", help="small models and budget: a check that it runs")
 
     est = sub.add_parser("estimate", help="model-state bytes per tier for a parameter count")

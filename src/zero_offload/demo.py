@@ -116,7 +116,7 @@ def out_of_memory(cfg: GPTConfig, budget: int) -> str:
 OFFLOAD = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
 
 
-def offload_trains(cfg: GPTConfig, budget: int, out: Path, *, steps: int, batch: int = 8) -> dict:
+def offload_trains(cfg: GPTConfig, budget: int, out: Path, *, steps: int, batch: int = 4) -> dict:
     """Part 2: ZeRO-2 + CPU offload (the overlapped pipeline) trains the same model in the same budget."""
     ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     _section(
@@ -192,7 +192,13 @@ def memory_per_tier(cfg: GPTConfig, budget: int, out: Path) -> dict:
 
 def machine_parts(out: Path, budget: int, *, quick: bool) -> dict:
     """Parts 3 and 5, on one process: step times and the largest model measure this machine."""
-    from .practice.largest import host_memory_available, largest_without_offload, offloaded_run
+    from .practice.largest import (
+        host_bytes_needed,
+        host_memory_available,
+        largest_preset_for_this_host,
+        largest_without_offload,
+        offloaded_run,
+    )
     from .practice.schedules import compare_schedules, split_cores
 
     _section("3. Serial vs overlapped vs delayed (DPU) offload: step time, batch 1 (optimizer-heavy)")
@@ -208,10 +214,10 @@ def machine_parts(out: Path, budget: int, *, quick: bool) -> dict:
     plain = largest_without_offload(budget)
     say(f"without offload (stage 0, bf16): {plain['params'] / 1e6:.1f}M parameters trains "
         f"(d_model {plain['d_model']}, {plain['n_layer']} layers); the next width: {plain['next_oom']}")  # fmt: skip
-    model = "small" if quick else ("1b" if host_memory_available() > 22 * 2**30 else "100m")
+    model = "small" if quick else largest_preset_for_this_host()
     if model == "100m":
-        say(f"only {format_bytes(host_memory_available())} of host memory is free: 1B needs about 20 GB; "
-            "training the 100M preset instead")  # fmt: skip
+        say(f"only {format_bytes(host_memory_available())} of host memory is free and 1B needs "
+            f"{format_bytes(host_bytes_needed('1b'))}: training the 100M preset instead")  # fmt: skip
     offloaded = offloaded_run(model, budget=budget, steps=3)
     say(f"with stage 3 + param and optimizer offload: {offloaded['params'] / 1e6:,.0f}M parameters, losses "
         + " -> ".join(f"{v:.3f}" for v in offloaded["losses"])
@@ -221,7 +227,7 @@ def machine_parts(out: Path, budget: int, *, quick: bool) -> dict:
 
 
 def run_demo(out_dir: str | Path = "out/demo", *, ranks: int = 2, budget: int | str = "512MiB",
-             steps: int = 30, quick: bool = False) -> Path:  # fmt: skip
+             steps: int = 20, quick: bool = False) -> Path:  # fmt: skip
     """Run the demo (under torchrun with `ranks` processes unless already launched) and return the report."""
     out, budget = Path(out_dir), parse_bytes(budget)
     if ranks > 1 and "RANK" not in os.environ:
