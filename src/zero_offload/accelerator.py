@@ -195,8 +195,9 @@ class Accelerator:
         """Context manager under which tensors saved for backward are charged to the device."""
         return contextlib.nullcontext()
 
-    def mark_compute_copy(self, tensor: torch.Tensor) -> None:
-        """Declare `tensor` an artefact of computing in another precision, not real device memory."""
+    def mark_compute_copy(self, tensor: torch.Tensor, source: torch.Tensor | None = None) -> None:
+        """Declare `tensor` an artefact of computing in another precision, not real device memory; if it is
+        `source` upcast, backward upcasts `source` again rather than keeping `tensor` alive."""
 
 
 class EmulatedAccelerator(Accelerator):
@@ -211,7 +212,9 @@ class EmulatedAccelerator(Accelerator):
         self._by_storage: dict[int, _Allocation] = {}  # storage data_ptr -> its live allocation
         self._by_category = dict.fromkeys(CATEGORIES, 0)
         self._in_use = self._peak = 0
-        self._compute_copies: set[int] = set()
+        self._compute_copies: dict[
+            int, torch.Tensor
+        ] = {}  # storage data_ptr -> the weight it was upcast from
 
     # -- the budget -------------------------------------------------------------------------------------------
     def _charge(self, nbytes: int, category: str) -> None:
@@ -300,11 +303,11 @@ class EmulatedAccelerator(Accelerator):
         with self._lock:
             self._peak = self._in_use
 
-    def mark_compute_copy(self, tensor: torch.Tensor) -> None:
+    def mark_compute_copy(self, tensor: torch.Tensor, source: torch.Tensor | None = None) -> None:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        self._compute_copies.add(key)
-        weakref.finalize(storage, self._compute_copies.discard, key)
+        self._compute_copies[key] = source
+        weakref.finalize(storage, self._compute_copies.pop, key, None)
 
     def activations(self, storage_dtype: torch.dtype = torch.float32):
         return _ChargeSavedTensors(self, storage_dtype)
@@ -326,6 +329,12 @@ class _ChargeSavedTensors(torch.autograd.graph.saved_tensors_hooks):
 
     def _pack(self, tensor: torch.Tensor):
         key = tensor.untyped_storage().data_ptr()
+        source = self.accel._compute_copies.get(key)
+        if source is not None and source.is_contiguous():
+            # Upcast again in backward: keeping every layer's fp32 copy from forward to backward would hold
+            # the whole model in fp32 at once, memory a GPU computing in fp16 never needs. Autograd often
+            # saves a view of the copy (the transposed weight of a matmul): its layout is kept too.
+            return _Upcast(source, tensor)
         if key in self.accel._by_storage or key in self.accel._compute_copies:
             return tensor
         if key not in self.live:
@@ -341,6 +350,8 @@ class _ChargeSavedTensors(torch.autograd.graph.saved_tensors_hooks):
 
     @staticmethod
     def _unpack(packed):
+        if isinstance(packed, _Upcast):
+            return packed.source.to(packed.dtype).as_strided(packed.size, packed.stride, packed.offset)
         return packed.tensor if isinstance(packed, _SavedHandle) else packed
 
     def _drop(self, key: int) -> None:
@@ -349,6 +360,16 @@ class _ChargeSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         if entry[0] == 0:
             del self.live[key]
             self.accel._release(entry[1], "activations")
+
+
+class _Upcast:
+    """A saved fp32 compute copy, kept as the low-precision weight it came from."""
+
+    __slots__ = ("source", "dtype", "size", "stride", "offset")
+
+    def __init__(self, source: torch.Tensor, saved: torch.Tensor):
+        self.source, self.dtype = source, saved.dtype
+        self.size, self.stride, self.offset = saved.size(), saved.stride(), saved.storage_offset()
 
 
 class _SavedHandle:

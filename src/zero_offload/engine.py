@@ -278,7 +278,7 @@ class Engine:
             for name, param in module._parameters.items():
                 if param is not None and param.dtype != torch.float32:
                     compute = param.to(torch.float32)
-                    accel.mark_compute_copy(compute)
+                    accel.mark_compute_copy(compute, param)
                     module._zo_stored[name] = param
                     module._parameters[name] = compute
 

@@ -44,7 +44,9 @@ PRESETS = {
     "small": GPTConfig(seq_len=128, d_model=256, n_layer=6, n_head=8),  # ~4.8M
     "10m": GPTConfig(seq_len=128, d_model=384, n_layer=6, n_head=6),  # ~10.8M: DESIGN.md's benchmark size
     "100m": GPTConfig(seq_len=128, d_model=768, n_layer=14, n_head=12),  # ~99M
-    "1b": GPTConfig(seq_len=128, d_model=2048, n_layer=20, n_head=16),  # ~1.0B: module 5's largest model
+    # ~1.02B: module 5's largest model; 36 narrower blocks rather than 20 wide ones, so that one block (57 MB in
+    # bf16) and its neighbours fit a 512 MB device at stage 3.
+    "1b": GPTConfig(seq_len=128, d_model=1536, n_layer=36, n_head=12),
 }
 
 

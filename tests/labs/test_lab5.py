@@ -170,36 +170,33 @@ def test_the_overlapped_schedule_trains_bit_for_bit_like_the_serial_step(
 
 
 @pytest.mark.task("5.1")
-def test_backward_goes_on_while_the_copy_stream_is_busy(monkeypatch):
+def test_deliver_returns_while_the_copy_stream_is_busy(monkeypatch):
     _others("5.1", monkeypatch)
     engine = _engine(_config())
+    pipeline_, states = engine._pipeline, engine.states
     gate = _Gate()
-    engine._pipeline.copy.submit(gate.closed)  # the link is busy until the test opens the gate
-    x, y = _batch(0)
+    pipeline_.copy.submit(gate.closed)  # the link is busy until the test opens the gate
     returned = threading.Event()
 
-    def open_later():  # a schedule that waits for its copies would hang until here
+    def open_later():  # a schedule that waits for its copy would hang until here
         if not returned.wait(timeout=5):
             gate.open()
 
     opener = threading.Thread(target=open_later)
     opener.start()
+    shard = engine.accelerator.zeros(states.units[0].shard_numel, states.dtype, category="buckets").fill_(1.0)
     try:
-        loss = lm_loss(engine(x), y)
-        engine.states.before_backward()  # backward alone, without after_backward's final wait
-        (loss * 1.0).backward()
-        engine.states.buckets.finish()
-        backward_finished_with_gate_closed = not gate._event.is_set()
-        copied_on_this_thread = engine.states.transfers.bytes["d2h"]
+        pipeline_.deliver(0, shard)  # backward's thread hands over one reduced shard
+        returned_with_gate_closed = not gate._event.is_set()
+        copied_on_this_thread = states.transfers.bytes["d2h"]
     finally:
         returned.set()
         gate.open()
         opener.join()
-    engine._pipeline.wait()
-    assert backward_finished_with_gate_closed, (
-        "backward waited for the copies: D2H must go on the copy stream"
-    )
-    assert copied_on_this_thread == 0, "the copies ran on backward's thread: submit them to the copy stream"
+    pipeline_.wait()
+    assert returned_with_gate_closed, "deliver waited for the copy: D2H must go on the copy stream"
+    assert copied_on_this_thread == 0, "the copy ran on backward's thread: submit it to the copy stream"
+    assert torch.equal(states.grad_shards[0], torch.ones_like(states.grad_shards[0])), "the gradient arrived"
 
 
 @pytest.mark.task("5.1")

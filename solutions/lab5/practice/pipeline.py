@@ -99,7 +99,9 @@ class OffloadPipeline:
         # Eager with a single micro-batch and the C Adam: the gradient is never added anywhere, so Adam reads
         # the staging slot itself, and the fp32 gradient partition is neither written nor cleared.
         self.direct = False
-        self.accumulated = False  # something was added into the fp32 partition since it was last cleared
+        # The fp32 gradient partition: "undefined" as allocated (never touched, so it takes no memory until
+        # used: a direct run never uses it), "zero", or "dirty" once something was added into it.
+        self.grads = "undefined"
         self.squared_norms: dict[int, float] = {}  # unit -> squared norm of its complete gradient
         self.clip_factor = 1.0
         self._pending: list[Event] = []  # what must finish before the step can go on
@@ -132,17 +134,21 @@ class OffloadPipeline:
         # END LAB 5.1
 
     def _keep_until(self, shard: torch.Tensor, copied: Event) -> None:
-        """Hold the device shard until `copied`; drop those already copied, so the device keeps only the buckets
-        still in flight (a CUDA allocator would otherwise reuse memory a copy is still reading)."""
+        """Hold the device shard until `copied` (a CUDA allocator would otherwise reuse memory a copy is still
+        reading), and keep no more shards waiting than there are staging slots: when the host falls behind,
+        backward waits here, as it would for device memory, rather than pile up gradients on the device."""
         self._alive = [(t, e) for t, e in self._alive if not e.done()] + [(shard, copied)]
+        while len(self._alive) > len(self.grad_slots.buffers):
+            self._alive.pop(0)[1].wait()
 
     def _take_gradient(self, index: int, staging: torch.Tensor) -> Event:
         """Queue the host's work on a gradient that has arrived in `staging`; the event of its last read."""
         if self.eager and self.direct:  # nothing to add it to: Adam reads the slot itself
             return self._update_unit(index, grad=staging)
+        self._clear_grads_if("undefined")
         done = self.host.submit(self._accumulate, index, staging, 1.0 / self.states.loss_scale())
         self._pending.append(done)
-        self.accumulated = True
+        self.grads = "dirty"
         if self.eager:
             self._update_unit(index)
         return done
@@ -155,17 +161,22 @@ class OffloadPipeline:
 
     def zero_grad(self) -> None:
         """Clear the host's fp32 gradients on the host queue, behind this step's work, while forward runs."""
-        if self.accumulated:
+        self._clear_grads_if("dirty")
+
+    def _clear_grads_if(self, state: str) -> None:
+        if self.grads == state:
             self._pending.append(self.host.submit(self.states.flat_grad.zero_))
-        self.accumulated = False
+            self.grads = "zero"
 
     # -- the step ------------------------------------------------------------------------------------------
     def update(self, clip_factor: float) -> None:
         """Adam over every host unit not yet updated, each unit's upload overlapping the next unit's Adam."""
         self.clip_factor = clip_factor
-        for index in range(self.states.host_units):
-            if index not in self.updated:
-                self._update_unit(index)
+        missed = [i for i in range(self.states.host_units) if i not in self.updated]
+        if missed:  # a unit no gradient reached (unused this step) reads zeros, as in the serial step
+            self._clear_grads_if("undefined")
+        for index in missed:
+            self._update_unit(index)
         self._submit_uploads()
 
     def _update_unit(self, index: int, grad: torch.Tensor | None = None) -> Event:

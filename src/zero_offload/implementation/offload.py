@@ -237,7 +237,10 @@ class OffloadedStates(ShardedStates):
 
     def _allocate_gradients(self, full_numel: int, shard_numel: int) -> None:
         host, device = self._placement()
-        self.flat_grad = self._host(sum(host), torch.float32, self.pin_optimizer)
+        if self.pipelined:  # module 5's pipeline clears it when first used: untouched, it takes no memory
+            self.flat_grad = self.accel.host_empty(sum(host), torch.float32, pin=self.pin_optimizer)
+        else:
+            self.flat_grad = self._host(sum(host), torch.float32, self.pin_optimizer)
         self.grad_staging = []
         if not self.pipelined:
             self.grad_staging = self._split(self._host(sum(host), self.dtype, self.pin_optimizer), host)

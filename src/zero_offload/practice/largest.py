@@ -41,10 +41,10 @@ def _config(cfg: GPTConfig, offload: bool, budget: int) -> dict:
     return {
         "train_batch_size": BATCH,
         "bf16": {"enabled": True},
-        # A small rate and clipping: Adam's first steps move every weight by about lr, which a large model
-        # with random weights overshoots at rates that suit a small one.
-        "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 5e-5, "weight_decay": 0.0}},
+        # A small rate: Adam's first steps move every weight by about lr, which a large model with random weights
+        # overshoots at rates that suit a small one. No clipping, so that with the overlapped pipeline each unit's
+        # Adam reads its gradient straight from the staging slot and the fp32 gradient buffer is never touched.
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}},
         "zero_optimization": zero,
         "zero_offload": {"device_memory": budget, "overlap_offload": offload},
     }
@@ -118,11 +118,11 @@ def host_memory_available() -> int:
 
 def host_bytes_needed(model: str) -> int:
     """Host memory to train preset `model` with stage 3 + offload on one rank: the states, and the bf16 model
-    the engine copies them from, plus a tenth for everything else."""
+    the engine copies them from, plus a fifth: the 1B run peaked at 22.3 GiB here against 20.4 GB of these."""
     params = gpt_config(model).num_params()
     states = estimate_model_states(params, stage=3, world_size=1, offload_optimizer="cpu", offload_param="cpu",
                                    precision="bf16")  # fmt: skip
-    return int((states.host + 2 * params) * 1.1)
+    return int((states.host + 2 * params) * 1.2)
 
 
 def largest_preset_for_this_host() -> str:
