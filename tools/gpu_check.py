@@ -2,7 +2,8 @@
 
 Checks: device allocation through the accelerator, pinned vs pageable host<->device copy bandwidth, a copy on a
 side stream ordered by an event, the real out-of-memory error under a budget, a few engine steps in real fp16,
-ZeRO-3's freed-and-restored layers, and CPU offload with pinned host buffers against the same run on the device.
+ZeRO-3's freed-and-restored layers, CPU offload with pinned host buffers against the same run on the device, and
+module 5's serial, overlapped and delayed steps (the overlapped one must give the serial weights bit for bit).
 """
 
 from __future__ import annotations
@@ -80,6 +81,42 @@ def offload(accel, data) -> bool:
     return ok and gap < 1e-2
 
 
+def pipeline(accel, data) -> bool:
+    """Module 5 on a real GPU: serial vs overlapped (CUDA copy stream, pinned slots) vs DPU, in fp16."""
+    from zero_offload import initialize
+    from zero_offload.workloads import TinyGPT, lm_loss
+
+    schedules = {
+        "serial": {},
+        "overlapped": {"overlap_offload": True},
+        "delayed (DPU)": {
+            "overlap_offload": True,
+            "delayed_param_update": {"enabled": True, "start_step": 3},
+        },
+    }
+    weights = {}
+    for name, extension in schedules.items():
+        config = {"train_batch_size": 4, "fp16": {"enabled": True}, "zero_offload": extension,
+                  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                        "reduce_bucket_size": 2_000_000, "overlap_comm": True}}  # fmt: skip
+        engine = initialize(TinyGPT("10m"), config, accelerator=accel)
+        times = []
+        for step in range(12):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            x, y = data.global_batch(step, 4)
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        engine.synchronize()
+        weights[name] = [p.detach().clone() for p in engine.model.parameters()]
+        print(f"{name:<16} {sorted(times[4:])[4] * 1000:7.1f} ms/step (median of the last 8)")
+    same = all(torch.equal(a, b) for a, b in zip(weights["serial"], weights["overlapped"], strict=True))
+    print(f"overlapped weights equal the serial step's bit for bit: {same}")
+    return same
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print(
@@ -139,7 +176,8 @@ def main() -> int:
     gathered = sum(unit.gathered for unit in engine.states.units)
     print(f"stage 3: {len(engine.states.units)} units, {gathered} still gathered after the step (want 0)")
     offloaded = offload(accel, data)
-    return 0 if gathered == 0 and offloaded else 1
+    overlapped = pipeline(accel, data)
+    return 0 if gathered == 0 and offloaded and overlapped else 1
 
 
 if __name__ == "__main__":
