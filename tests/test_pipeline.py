@@ -268,3 +268,31 @@ def test_a_checkpoint_under_the_delayed_update_resumes_exactly(tmp_path):
     resumed_engine = _engine(config)
     resumed_engine.load_checkpoint(tmp_path / "ckpt")
     assert _train(resumed_engine, 3, start=3) == continued
+
+
+class _BlockingCopyStream:
+    """A copy stream with CUDA's manners: waiting for a host event blocks the thread that asks."""
+
+    waits_without_blocking = False
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def wait_event(self, event):
+        event.wait()
+
+    def submit(self, fn, *args, **kwargs):
+        return self.stream.submit(fn, *args, **kwargs)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_copy_stream_that_blocks_on_host_events_as_cuda_does_still_gives_the_serial_weights(precision):
+    serial = _engine(_config(2, precision))
+    engine = _engine(_config(2, precision, overlap=True))
+    engine._pipeline.copy = _BlockingCopyStream(engine._pipeline.copy)
+    assert _train(engine, 4) == _train(serial, 4)
+    assert not _same_weights(
+        {n: p.detach().clone() for n, p in engine.model.named_parameters()},
+        {n: p.detach().clone() for n, p in serial.model.named_parameters()},
+    )
+    assert engine._pipeline.eager is False  # Adam waits for the step where the copy stream cannot wait for it

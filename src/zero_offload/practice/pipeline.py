@@ -20,7 +20,9 @@ bucket k+2 never overwrites what bucket k's accumulate or upload has not read ye
 
 On the emulated device a "stream" is a worker thread and an event a future; torch's kernels and the C Adam
 release the GIL, so this is real overlap on two cores. On CUDA the copy stream is a CUDA stream and the copies
-are asynchronous DMA from pinned memory.
+are asynchronous DMA from pinned memory; a CUDA stream cannot wait for a host thread without blocking the thread
+that asks, so there Adam runs at the step (each unit's upload still overlapping the next unit's Adam) rather
+than during backward.
 """
 
 from __future__ import annotations
@@ -106,7 +108,6 @@ class OffloadPipeline:
         self.clip_factor = 1.0
         self._pending: list[Event] = []  # what must finish before the step can go on
         self._alive: list[tuple[torch.Tensor, Event]] = []  # device shards whose copy may still read them
-        self._uploads: list = []  # (index, slot, source, Adam's event) not yet on the copy stream
         self.updated: set[int] = set()  # units whose Adam has been queued this step
         self.adam_seconds = 0.0
 
@@ -177,7 +178,6 @@ class OffloadPipeline:
             self._clear_grads_if("undefined")
         for index in missed:
             self._update_unit(index)
-        self._submit_uploads()
 
     def _update_unit(self, index: int, grad: torch.Tensor | None = None) -> Event:
         """Queue Adam on unit `index` behind what the host queue already holds, then its weights' upload;
@@ -192,25 +192,13 @@ class OffloadPipeline:
         adam = self.host.submit(self._adam, index, out, grad)
         self._pending.append(adam)
         if not states.offload_param:
+            self.copy.wait_event(adam)  # on CUDA this blocks until Adam is done: see the engine's `eager`
             source = out if out is not None else states.master_params[index]  # fp32: the master itself
-            self._uploads.append((index, slot, source, adam))
-            if self.copy.waits_without_blocking:
-                self._submit_uploads()
-        return adam
-
-    def _submit_uploads(self) -> None:
-        """Queue the uploads whose Adam has been queued.
-
-        A worker-thread stream waits for the host's event on its own thread; a CUDA stream cannot wait for a
-        host thread without blocking ours, so on CUDA the uploads are queued at the step, after backward."""
-        uploads, self._uploads = self._uploads, []
-        for index, slot, source, adam in uploads:
-            self.copy.wait_event(adam)
-            target = self.states.param_shards[index]
-            up = self.copy.submit(self.states.transfers.to_device, target, source, blocking=False)
+            up = self.copy.submit(states.transfers.to_device, states.param_shards[index], source, blocking=False)
             if slot is not None:
-                self.weight_slots.release(slot, up)
+                self.weight_slots.release(slot, up)  # before the slot's next acquire, which must wait for it
             self._pending.append(up)
+        return adam
 
     def _adam(self, index: int, out: torch.Tensor | None, staged: torch.Tensor | None = None) -> None:
         states, optimizer = self.states, self.optimizer
@@ -232,7 +220,6 @@ class OffloadPipeline:
 
     def wait(self) -> None:
         """Block until everything scheduled has finished; an error raised on a queue surfaces here."""
-        self._submit_uploads()
         pending, self._pending = self._pending, []
         try:
             for event in pending:
