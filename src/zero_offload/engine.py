@@ -24,6 +24,7 @@ from .basics.precision import (
     StaticLossScaler,
     unique_parameters,
 )
+from .combinations import check_supported
 from .config import Config, load_config
 from .implementation.offload import OffloadedStates, adam_step
 from .implementation.schedulers import build_scheduler
@@ -37,86 +38,6 @@ from .principles.zero import ShardedStates
 from .tuning.build import CompilerNotFound
 from .tuning.cpu_adam import CPUAdam, one_pass_offload_step
 from .tuning.partial import SplitOptimizer, estimate_partial_offload
-
-
-def _check_supported(config: Config) -> None:
-    zero = config.zero_optimization
-    problems = []
-    if zero.offload_param.device == "nvme":
-        problems.append(
-            (
-                "zero_optimization.offload_param.device",
-                'parameters on NVMe are not supported, only the optimizer\'s states; use "device": "cpu" here '
-                'and keep "offload_optimizer": {"device": "nvme"}',
-            )
-        )
-    if zero.offload_optimizer.device == "nvme" and zero.offload_optimizer.ratio < 1.0:
-        problems.append(
-            (
-                "zero_optimization.offload_optimizer.ratio",
-                "a partial offload keeps some states on the device, the NVMe tier all of them in files; keep "
-                'ratio 1.0 with "device": "nvme", or use "device": "cpu" for a partial offload',
-            )
-        )
-    if zero.offload_optimizer.ratio < 1.0 and zero.offload_param.enabled:
-        problems.append(
-            (
-                "zero_optimization.offload_optimizer.ratio",
-                "a partial offload updates some weights on the device, so they must live there; with "
-                'offload_param keep ratio 1.0, or set "offload_param": {"device": "none"}',
-            )
-        )
-    if zero.offload_param.enabled and not zero.offload_optimizer.enabled:
-        problems.append(
-            (
-                "zero_optimization.offload_param",
-                "offloading the fp16 weights while the fp32 master weights and moments (6x their size) stay on "
-                'the device saves the least memory for the most traffic; add "offload_optimizer": {"device": "cpu"}',
-            )
-        )
-    problems += _module5_problems(config)
-    if problems:
-        lines = "\n".join(f"  {key}: {why}" for key, why in problems)
-        raise NotImplementedError(f"zero_offload cannot run this config:\n{lines}")
-
-
-def _module5_problems(config: Config) -> list[tuple[str, str]]:
-    """The overlapped pipeline and the delayed update work on the host's half of an offloaded optimizer."""
-    zero, ext, problems = config.zero_optimization, config.zero_offload, []
-    offloaded = zero.stage > 0 and zero.offload_optimizer.enabled
-    needs_offload = (
-        "it overlaps the host's Adam with the device's work, so it needs "
-        '"zero_optimization": {"stage": 1, 2 or 3, "offload_optimizer": {"device": "cpu"}}'
-    )
-    if ext.overlap_offload and not offloaded:
-        problems.append(("zero_offload.overlap_offload", needs_offload))
-    dpu = ext.delayed_param_update.enabled
-    if dpu and not offloaded:
-        problems.append(("zero_offload.delayed_param_update", needs_offload))
-    if dpu and offloaded and zero.offload_param.enabled:
-        problems.append((
-            "zero_offload.delayed_param_update",
-            "with offload_param the host's weights are what the next forward gathers, and the delayed Adam "
-            'would be rewriting them; use one or the other ("offload_param": {"device": "none"})',
-        ))  # fmt: skip
-    if dpu and offloaded and zero.offload_optimizer.ratio < 1.0:
-        problems.append((
-            "zero_offload.delayed_param_update",
-            "a partial offload updates its device units at once and would mix stale and fresh weights; "
-            "keep offload_optimizer.ratio at 1.0",
-        ))  # fmt: skip
-    if zero.offload_optimizer.device == "nvme":
-        for key, on in (("overlap_offload", ext.overlap_offload), ("delayed_param_update", dpu)):
-            if on:
-                problems.append((
-                    f"zero_offload.{key}",
-                    "the NVMe tier steps one sub-group at a time with its own read-ahead and write-behind "
-                    'threads; use it with "offload_optimizer": {"device": "cpu"}, or turn it off',
-                ))  # fmt: skip
-    if ext.cores.host and not offloaded:
-        problems.append(("zero_offload.cores.host", "the host's cores run the offloaded Adam; there is none "
-                         'without "offload_optimizer": {"device": "cpu"}; remove cores.host'))  # fmt: skip
-    return problems
 
 
 def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: list, impl: str | None = None):
@@ -161,7 +82,7 @@ class Engine:
     """Trains `model` as the config says. Use it as `loss_fn(engine(x), y)`, `engine.backward(loss)`, `engine.step()`."""
 
     def __init__(self, model: torch.nn.Module, config: Config, *, accelerator: Accelerator | None = None):
-        _check_supported(config)
+        check_supported(config)
         self.config = config
         self.accelerator = accelerator or get_accelerator(config.zero_offload.device_memory)
         self.model = model
