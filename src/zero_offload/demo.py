@@ -119,8 +119,10 @@ OFFLOAD = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
 def offload_trains(cfg: GPTConfig, budget: int, out: Path, *, steps: int, batch: int = 4) -> dict:
     """Part 2: ZeRO-2 + CPU offload (the overlapped pipeline) trains the same model in the same budget."""
     ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))  # torchrun's count of nodes
     _section(
-        f"2. The same model, ZeRO-2 + CPU offload on {ranks} rank(s), same {format_bytes(budget)} device"
+        f"2. The same model, ZeRO-2 + CPU offload on {ranks} rank(s) on {nodes} node(s), same "
+        f"{format_bytes(budget)} device"
     )
     engine = initialize(TinyGPT(cfg), _config(batch, OFFLOAD, budget, overlap_offload=True),
                         accelerator=EmulatedAccelerator(budget))  # fmt: skip
@@ -140,7 +142,7 @@ def offload_trains(cfg: GPTConfig, budget: int, out: Path, *, steps: int, batch:
     if _rank() == 0:
         plot_losses({f"ZeRO-2 + CPU offload, {ranks} rank(s)": losses}, out / "loss.png",
                     title=f"{cfg.num_params() / 1e6:.0f}M-parameter GPT under a {format_bytes(budget)} device")  # fmt: skip
-    return {"params": engine.num_params, "ranks": ranks, "steps": steps, "losses": losses,
+    return {"params": engine.num_params, "ranks": ranks, "nodes": nodes, "steps": steps, "losses": losses,
             "device_peak": report.device.peak, "budget": budget, "pcie_bytes_per_step": moved}  # fmt: skip
 
 

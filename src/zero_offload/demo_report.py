@@ -33,7 +33,8 @@ def write_report(out: Path, results: dict) -> Path:
     lines += ["## 1. Stage 0 runs out of device memory", "", "```", results["out_of_memory"], "```", ""]
     losses = offload["losses"]
     lines += ["## 2. ZeRO-2 + CPU offload fits the same budget", "",
-              f"{offload['params']:,} parameters on {offload['ranks']} rank(s), {offload['steps']} steps: loss "
+              f"{offload['params']:,} parameters on {offload['ranks']} rank(s) on {offload['nodes']} node(s), "
+              f"{offload['steps']} steps: loss "
               f"{losses[0]:.3f} -> {losses[-1]:.3f}; device peak {format_bytes(offload['device_peak'])} of "
               f"{format_bytes(offload['budget'])}; PCIe per step and rank "
               f"{format_bytes(offload['pcie_bytes_per_step']['d2h'])} down, "
