@@ -14,6 +14,7 @@ torchrun "nodes" on loopback.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -194,14 +195,12 @@ def memory_per_tier(cfg: GPTConfig, budget: int, out: Path) -> dict:
 
 def machine_parts(out: Path, budget: int, *, quick: bool) -> dict:
     """Parts 3 and 5, on one process: step times and the largest model measure this machine."""
-    from .practice.largest import (
-        host_bytes_needed,
-        host_memory_available,
-        largest_preset_for_this_host,
-        largest_without_offload,
-        offloaded_run,
-    )
+    from .practice.largest import host_bytes_needed, measure_in_fresh_process
     from .practice.schedules import compare_schedules, split_cores
+
+    # Part 5 first, in a process of its own: the 1B run needs nearly all of this machine's memory.
+    gc.collect()
+    largest = measure_in_fresh_process(budget, quick=quick)
 
     _section("3. Serial vs overlapped vs delayed (DPU) offload: step time, batch 1 (optimizer-heavy)")
     schedules = {}
@@ -213,14 +212,12 @@ def machine_parts(out: Path, budget: int, *, quick: bool) -> dict:
             + f"; overlapped / serial {r['overlapped_vs_serial']:.2f}x, DPU / overlapped "
             f"{r['delayed_vs_overlapped']:.2f}x")  # fmt: skip
     _section(f"5. The largest model that trains under {format_bytes(budget)}, without and with offload")
-    plain = largest_without_offload(budget)
+    plain, offloaded = largest["without"], largest["with"]
     say(f"without offload (stage 0, bf16): {plain['params'] / 1e6:.1f}M parameters trains "
         f"(d_model {plain['d_model']}, {plain['n_layer']} layers); the next width: {plain['next_oom']}")  # fmt: skip
-    model = "small" if quick else largest_preset_for_this_host()
-    if model == "100m":
-        say(f"only {format_bytes(host_memory_available())} of host memory is free and 1B needs "
-            f"{format_bytes(host_bytes_needed('1b'))}: training the 100M preset instead")  # fmt: skip
-    offloaded = offloaded_run(model, budget=budget, steps=3)
+    if offloaded["model"] == "100m":
+        say(f"1B needs {format_bytes(host_bytes_needed('1b'))} of free host memory, more than there was: "
+            "the 100M preset was trained instead")  # fmt: skip
     say(f"with stage 3 + param and optimizer offload: {offloaded['params'] / 1e6:,.0f}M parameters, losses "
         + " -> ".join(f"{v:.3f}" for v in offloaded["losses"])
         + f", device peak {format_bytes(offloaded['device_peak'])}, host {format_bytes(offloaded['host_bytes'])}; "

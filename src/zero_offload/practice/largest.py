@@ -148,3 +148,24 @@ def offloaded_run(model: str = "1b", *, budget: int, steps: int = 3) -> dict:
         )
     result["model"] = model
     return result
+
+
+def measure(budget: int, *, quick: bool = False) -> dict:
+    """Both sides of the comparison; the largest preset this host's memory allows right now (or 'small')."""
+    plain = largest_without_offload(budget)
+    return {"without": plain, "with": offloaded_run("small" if quick else largest_preset_for_this_host(),
+                                                    budget=budget, steps=3)}  # fmt: skip
+
+
+def measure_in_fresh_process(budget: int, *, quick: bool = False) -> dict:
+    """`measure` in a new Python process: the caller's freed memory is not all given back to the system, and
+    the 1B run needs nearly all of this machine's."""
+    import json
+    import subprocess
+    import sys
+
+    code = f"import json; from zero_offload.practice.largest import measure; print(json.dumps(measure({budget}, quick={quick})))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"the largest-model measurement failed:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
