@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--budget", default="512MiB", help="the emulated device's memory, e.g. 512MiB")
     demo.add_argument("--steps", type=int, default=20, help="training steps of part 2")
     demo.add_argument("--quick", action="store_true", help="small models and budget: a check that it runs")
+    demo.add_argument("--ranks-only", action="store_true", help=argparse.SUPPRESS)  # the launcher's ranks
 
     est = sub.add_parser("estimate", help="model-state bytes per tier for a parameter count")
     est.add_argument("params", type=parse_count, help="e.g. 13B, 350M, 1e9")
@@ -269,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        run_demo(args.out, ranks=args.ranks, budget=args.budget, steps=args.steps, quick=args.quick)
+        run_demo(args.out, ranks=args.ranks, budget=args.budget, steps=args.steps, quick=args.quick,
+                 ranks_only=args.ranks_only)  # fmt: skip
         return 0
     if args.command == "train":
         return _train(args)

@@ -226,11 +226,30 @@ def machine_parts(out: Path, budget: int, *, quick: bool) -> dict:
 
 
 def run_demo(out_dir: str | Path = "out/demo", *, ranks: int = 2, budget: int | str = "512MiB",
-             steps: int = 20, quick: bool = False) -> Path:  # fmt: skip
-    """Run the demo (under torchrun with `ranks` processes unless already launched) and return the report."""
+             steps: int = 20, quick: bool = False, ranks_only: bool = False) -> Path:  # fmt: skip
+    """Run the demo (under torchrun with `ranks` processes unless already launched) and return the report.
+
+    `ranks_only`: parts 0-2 and 4, saved to results.json, for the launcher to finish with parts 3 and 5."""
     out, budget = Path(out_dir), parse_bytes(budget)
+    if quick:  # the quick model's stage-0 states take 13 MiB: a budget it cannot fit, as 512 MB for MODEL
+        budget = min(budget, 10 * 2**20)
     if ranks > 1 and "RANK" not in os.environ:
-        return _launch(out, ranks=ranks, budget=budget, steps=steps, quick=quick)
+        results = _launch(out, ranks=ranks, budget=budget, steps=steps, quick=quick)
+    else:
+        results = _ranks_parts(out, budget, steps=steps, quick=quick)
+        if ranks_only or _rank_from_env() != 0:
+            return out / "report.md"
+    # Parts 3 and 5 measure this machine: one process, all cores, and (the 1B run) nearly all its memory.
+    torch.set_num_threads(os.cpu_count() or 1)
+    results.update(machine_parts(out, budget, quick=quick))
+    path = write_report(out, results)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str), encoding="utf-8")
+    print(f"\nReport: {path.resolve()} (plots beside it)")
+    return path
+
+
+def _ranks_parts(out: Path, budget: int, *, steps: int, quick: bool) -> dict:
+    """Parts 0, 1, 2 and 4 on every rank; rank 0 saves their results."""
     out.mkdir(parents=True, exist_ok=True)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from .principles.comm import init_distributed
@@ -238,34 +257,28 @@ def run_demo(out_dir: str | Path = "out/demo", *, ranks: int = 2, budget: int | 
         init_distributed()
         torch.set_num_threads(1)  # the ranks share this machine's cores
     model = QUICK_MODEL if quick else MODEL
-    if quick:  # the quick model's stage-0 states take 13 MiB: a budget it cannot fit, as 512 MB for MODEL
-        budget = min(budget, 10 * 2**20)
     results = {"arithmetic": arithmetic(out), "out_of_memory": out_of_memory(model, budget),
                "offload": offload_trains(model, budget, out, steps=steps),
                "memory": memory_per_tier(model, budget, out)}  # fmt: skip
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    path = out / "report.md"
     if _rank_from_env() == 0:
-        torch.set_num_threads(os.cpu_count() or 1)
-        results.update(machine_parts(out, budget, quick=quick))
-        write_report(out, results)
         (out / "results.json").write_text(json.dumps(results, indent=2, default=str), encoding="utf-8")
-        print(f"\nReport: {path.resolve()} (plots beside it)")
-    return path
+    return results
 
 
 def _rank_from_env() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _launch(out: Path, *, ranks: int, budget: int, steps: int, quick: bool) -> Path:
+def _launch(out: Path, *, ranks: int, budget: int, steps: int, quick: bool) -> dict:
+    """Parts 0-2 and 4 under torchrun; what rank 0 saved."""
     from .principles.comm import free_port
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "zero_offload.cli",
-               "demo", "--out", str(out), "--budget", str(budget), "--steps", str(steps)]  # fmt: skip
+               "demo", "--out", str(out), "--budget", str(budget), "--steps", str(steps), "--ranks-only"]  # fmt: skip
     code = subprocess.run(command + (["--quick"] if quick else [])).returncode
     if code != 0:
         raise SystemExit(f"the demo failed (exit code {code}); the rank that failed printed why, above")
-    return out / "report.md"
+    return json.loads((out / "results.json").read_text(encoding="utf-8"))
