@@ -194,7 +194,9 @@ class OffloadPipeline:
         if not states.offload_param:
             self.copy.wait_event(adam)  # on CUDA this blocks until Adam is done: see the engine's `eager`
             source = out if out is not None else states.master_params[index]  # fp32: the master itself
-            up = self.copy.submit(states.transfers.to_device, states.param_shards[index], source, blocking=False)
+            up = self.copy.submit(
+                states.transfers.to_device, states.param_shards[index], source, blocking=False
+            )
             if slot is not None:
                 self.weight_slots.release(slot, up)  # before the slot's next acquire, which must wait for it
             self._pending.append(up)
