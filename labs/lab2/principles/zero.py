@@ -42,6 +42,11 @@ def _fill_from(params: list[torch.Tensor], unit: Unit, shard: torch.Tensor) -> N
         shard[piece.shard_start : piece.shard_start + piece.numel].copy_(source)
 
 
+def squared_norm(grad: torch.Tensor) -> float:
+    """A gradient shard's share of the squared global norm, summed in float64."""
+    return float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
+
+
 def reduce_scatter_unit(
     comm: Comm, full_grad: torch.Tensor, shard_out: torch.Tensor, *, async_op: bool = False
 ):
@@ -326,7 +331,7 @@ class ShardedStates:
         return self._split(flat, [u.shard_numel for u in self.units])
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
-        local = sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads)
+        local = sum(squared_norm(g) for g in grads)
         return math.sqrt(self.comm.sum(local))  # shards are disjoint: squares add up to the global norm
 
     def publish(self) -> None:

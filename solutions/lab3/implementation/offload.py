@@ -34,7 +34,7 @@ import torch
 from ..accelerator import Accelerator
 from ..basics.precision import has_overflow
 from ..principles.comm import Comm
-from ..principles.zero import ShardedStates, all_gather_unit
+from ..principles.zero import ShardedStates, all_gather_unit, squared_norm
 
 
 class Transfers:
@@ -352,10 +352,7 @@ class OffloadedStates(ShardedStates):
         # Module 5: the host summed each of its units' squares as the gradient arrived; the same numbers in
         # the same order as the loop over `grads` would give.
         squares = self.pipeline.squared_norms
-        local = sum(
-            squares[i] if i in squares else float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
-            for i, g in enumerate(grads)
-        )
+        local = sum(squares[i] if i in squares else squared_norm(g) for i, g in enumerate(grads))
         return math.sqrt(self.comm.sum(local))
 
     def zero_grad(self) -> None:

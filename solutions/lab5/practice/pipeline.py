@@ -33,6 +33,7 @@ import torch
 
 from ..accelerator import Accelerator, Event, _WorkerStream
 from ..implementation.offload import adam_step, host_buffer
+from ..principles.zero import squared_norm
 from ..tuning.cpu_adam import CPUAdam, one_pass_update
 
 
@@ -158,7 +159,7 @@ class OffloadPipeline:
         grad = self.states.grad_shards[index]
         grad.add_(staging, alpha=inv_scale)
         if self.final:  # the gradient is complete: its share of the global norm, here rather than at the step
-            self.squared_norms[index] = float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
+            self.squared_norms[index] = squared_norm(grad)
 
     def zero_grad(self) -> None:
         """Clear the host's fp32 gradients on the host queue, behind this step's work, while forward runs."""
@@ -207,9 +208,9 @@ class OffloadPipeline:
         master, grad = states.master_params[index], states.grad_shards[index]
         start = time.perf_counter()
         if staged is not None:  # straight from the slot: the gradient is this micro-batch's, loss scale 1
-            self.squared_norms[index] = float(torch.linalg.vector_norm(staged, dtype=torch.float64)) ** 2
-            one_pass_update(optimizer, master, staged, out, self.clip_factor)
-        elif isinstance(optimizer, CPUAdam):  # module 4: Adam and the rounding in one pass
+            grad = staged
+            self.squared_norms[index] = squared_norm(grad)
+        if isinstance(optimizer, CPUAdam):  # module 4: Adam and the rounding in one pass
             one_pass_update(optimizer, master, grad, out, self.clip_factor)
         else:
             adam_step(optimizer, [master], [grad], self.clip_factor)
