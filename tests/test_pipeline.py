@@ -286,13 +286,14 @@ class _BlockingCopyStream:
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_a_copy_stream_that_blocks_on_host_events_as_cuda_does_still_gives_the_serial_weights(precision):
+def test_copy_streams_that_block_on_host_events_as_cuda_does_still_give_the_serial_weights(precision):
     serial = _engine(_config(2, precision))
     engine = _engine(_config(2, precision, overlap=True))
     engine._pipeline.copy = _BlockingCopyStream(engine._pipeline.copy)
+    engine._pipeline.upload = _BlockingCopyStream(engine._pipeline.upload)
     assert _train(engine, 4) == _train(serial, 4)
     assert not _same_weights(
         {n: p.detach().clone() for n, p in engine.model.named_parameters()},
         {n: p.detach().clone() for n, p in serial.model.named_parameters()},
     )
-    assert engine._pipeline.eager is False  # Adam waits for the step where the copy stream cannot wait for it
+    assert engine._pipeline.eager is False  # Adam waits for the step: the upload stream cannot wait for it

@@ -255,8 +255,8 @@ class Engine:
                 and not self.config.fp16.enabled
                 and self.config.gradient_clipping == 0
                 and not (self._delayed is not None and self._delayed.active(self.global_steps))
-                # Uploading while backward runs needs a copy stream that can wait for the host's Adam.
-                and self._pipeline.copy.waits_without_blocking
+                # Uploading while backward runs needs an upload stream that can wait for the host's Adam.
+                and self._pipeline.upload.waits_without_blocking
             )
             self._pipeline.direct = self._one_pass and self.gradient_accumulation_steps == 1
         self.states.before_backward()

@@ -4,8 +4,9 @@ Module 3's step is serial: backward, then every gradient shard down (D2H), then 
 partition, then every weight shard up (H2D). While the CPU runs Adam the device idles, and while the device
 runs backward the CPU idles. Here each unit's shard moves through three queues as soon as it exists:
 
-    copy stream   D2H(k)                   H2D(k)                     (the link: a DMA engine on a GPU)
-    host queue            accumulate(k) -> Adam(k)                   (the CPU, on its own cores)
+    copy stream   D2H(k)   D2H(k+1)                                   (the link, down: a DMA engine on a GPU)
+    host queue             accumulate(k) -> Adam(k)                   (the CPU, on its own cores)
+    upload stream                                    H2D(k)           (the link, up: a second DMA engine)
     device        backward keeps going; the all-gathers wait for the step
 
 so bucket k's Adam runs while bucket k+1 is copied down and bucket k-1's weights go up. Gradients reach the
@@ -19,8 +20,10 @@ up, used in turn. A slot may be written again only when the work that reads it h
 bucket k+2 never overwrites what bucket k's accumulate or upload has not read yet.
 
 On the emulated device a "stream" is a worker thread and an event a future; torch's kernels and the C Adam
-release the GIL, so this is real overlap on two cores. On CUDA the copy stream is a CUDA stream and the copies
-are asynchronous DMA from pinned memory; a CUDA stream cannot wait for a host thread without blocking the thread
+release the GIL, so this is real overlap on two cores. Each direction has its own stream, as a GPU has a copy
+engine for each: an upload waits for its unit's Adam, and on a single in-order stream that wait would hold up
+the next gradient's way down, so that D2H, Adam and H2D ran one after the other. On CUDA the two streams are
+CUDA streams and the copies are asynchronous DMA from pinned memory; a CUDA stream cannot wait for a host thread without blocking the thread
 that asks, so there Adam runs at the step (each unit's upload still overlapping the next unit's Adam) rather
 than during backward.
 """
@@ -73,13 +76,15 @@ class SlotRing:
 
 
 class OffloadPipeline:
-    """Runs the offloaded part of a step (OffloadedStates' host units) through the copy stream and host queue."""
+    """Runs the offloaded part of a step (OffloadedStates' host units) through the copy stream (D2H), the host
+    queue and the upload stream (H2D)."""
 
     def __init__(self, states, accel: Accelerator, *, host: HostQueue, cores=None, slots: int = 2):
         self.states, self.accel = states, accel
         # On the emulated device the copies are memcpy by a CPU core: the host's (`cores`), standing in for
-        # the DMA engines, so that they do not take the device's compute core.
-        self.copy = accel.new_stream("zo-copy", cores)
+        # the DMA engines, so that they do not take the device's compute core. One stream for each direction.
+        self.copy = accel.new_stream("zo-d2h", cores)
+        self.upload = accel.new_stream("zo-h2d", cores)
         self.host = host
         largest = max((u.shard_numel for u in states.units[: states.host_units]), default=0)
         pin = states.pin_optimizer
@@ -183,9 +188,9 @@ class OffloadPipeline:
         adam = self.host.submit(self._adam, index, out, grad)
         self._pending.append(adam)
         if not states.offload_param:
-            self.copy.wait_event(adam)  # on CUDA this blocks until Adam is done: see the engine's `eager`
+            self.upload.wait_event(adam)  # on CUDA this blocks until Adam is done: see the engine's `eager`
             source = out if out is not None else states.master_params[index]  # fp32: the master itself
-            up = self.copy.submit(
+            up = self.upload.submit(
                 states.transfers.to_device, states.param_shards[index], source, blocking=False
             )
             if slot is not None:
