@@ -133,7 +133,8 @@ print(f"figures go to {OUT.relative_to(ROOT)}/")
 # ```
 #
 # `practice.schedules.compare_schedules` 用同一个模型、同样的数据建三个引擎（stage 2 + `offload_optimizer`、fp32、C Adam），
-# 一轮里三个调度各跑几步，交替若干轮，取每步时间的中位数。先看一个批 1、序列长 32 的小模型，分核：
+# 一轮里三个调度各跑几步，交替若干轮，取每步时间的中位数；每轮结束时 `engine.synchronize()`，DPU 还在路上的那次更新算进它自己这一轮。
+# 重叠与 DPU 用 4 个主机暂存槽（`"staging_slots": 4`，默认 2 即双缓冲；为什么要 4 个，见 2.4 节）。先看一个批 1、序列长 32 的小模型，分核：
 
 # %%
 S_MODEL = "nano" if SMOKE else "small"
@@ -163,14 +164,15 @@ for path in split["plots"].values():
 # 串行时是 Adam + 上行；重叠时是没藏住的那部分 Adam 与上行；DPU 时是等上一步的 Adam 收尾、发布权重）。
 #
 # 每个引擎跑完自己那几步就 `engine.synchronize()`：DPU 的最后一次更新若还在主机队列上，就会和下一个引擎的步同时跑，
-# 拖慢别人、也让自己的下一步白捡一次"不用等"。（`compare_schedules` 每轮结束时不做这一步，所以它的 DPU 一列每轮有一步占了这个便宜，
-# 下一个调度的第一步则替它付了账；每轮 4 步、Adam 只占一步的一小部分，这点偏差小于计时的起伏。）
+# 拖慢别人、也让自己的下一步白捡一次"不用等"（`compare_schedules` 也是这样做的）。
 
 # %%
 def offload_config(*, batch: int = 1, overlap: bool = False, dpu_start: int | None = None, cores=None,
-                   precision: str = "fp32", clip: float = 0.0, bucket: int = 1_000_000) -> dict:
+                   precision: str = "fp32", clip: float = 0.0, bucket: int = 1_000_000, slots: int = 4) -> dict:
     """Stage 2 + CPU offload, the C Adam; module 5's switches under "zero_offload" (compare_schedules' config)."""
     extension = {"cpu_adam": {"impl": "simd"}, "overlap_offload": overlap}
+    if overlap:
+        extension["staging_slots"] = slots
     if dpu_start is not None:
         extension["delayed_param_update"] = {"enabled": True, "start_step": dpu_start}
     if cores is not None:
@@ -287,7 +289,8 @@ draw_steps(zoom_split, f"TinyGPT('{S_MODEL}'), batch 1 x {S_SEQ}, split cores: o
 #
 # - **串行**：D2H 的竖条落在反向期间，但它们是在反向自己的线程上一个接一个做的（第 3 模块：每个桶归约完，钩子里就下行、累加），
 #   占的是反向的时间；Adam 和 H2D 全在反向之后，设备等着。"反向之后的尾巴"几乎就是 CPU Adam 加上上行；
-# - **重叠**：下行、累加、Adam、上行都搬到了主机那个核上，在反向还没结束时就开始，尾巴变短。但看反向那一条：
+# - **重叠**：下行、累加、Adam、上行都搬到了主机那个核上（下行走拷贝流，上行走另一条上传流：上行要等本单元的 Adam，
+#   若与下行排在同一条按序执行的流里，下一个单元的下行就得跟着等），在反向还没结束时就开始，尾巴变短。但看反向那一条：
 #   它比串行时**更长**。分核只把"算"分开了，两个核共用同一份内存带宽和缓存，而在批 1 的小模型上，反向和 Adam 都是搬内存的活
 #   （第 4 章 4.4 节：这台机器上 2 个线程只比 1 个快 1.16 倍）；主机队列、拷贝流和反向的钩子还都要抢 Python 的 GIL 做簿记；
 #   这台机器上别的程序也在抢核。笔记本没有把这几个原因拆开，能看到的是：藏起来的那部分，又以"反向变慢"的形式还了回来；
@@ -394,6 +397,26 @@ for batch in (1, 2, 4, 8, 16, 64):
 # 真机上 PCIe 与 CPU Adam 是秒级的，与 GPU 计算同一个量级，重叠能把一步缩短一半以上；批小时（1、2）PCIe 或 CPU 是瓶颈，
 # 这时即使完全重叠，一步也不会短于 CPU 那一段：重叠把它藏在计算后面，却不能让它变短（要么加大批，要么部分卸载，第 4 章）。
 # 批很大时 GPU 是瓶颈，卸载的代价趋近于零，重叠省下的比例又变小。这台模拟设备上的每个点都在"GPU 是瓶颈"那一端。
+
+# %% [markdown]
+# ### 2.4 暂存槽：两个够不够
+#
+# 梯度分片下行到主机的暂存槽里，槽要等读它的 Adam 做完才能再写；设备上的分片也要等下行读完才能放掉。
+# 双缓冲（2 个槽）时，只要主机落后两个单元，反向就停下来等（`_keep_until`：设备上等着下行的分片不超过槽数）。
+# 主机的活是一阵一阵来的：大单元（MLP 的两个矩阵）挨着到达时它就落后。同样的设置，只把槽数从 4 改回 2：
+
+# %%
+two_slots = compare_schedules(S_MODEL, batch=1, seq_len=S_SEQ, steps=S_STEPS, rounds=S_ROUNDS, cores="split", slots=2)
+print(f"TinyGPT('{S_MODEL}'), batch 1 x {S_SEQ}, split cores; median ms per step\n")
+print(f"{'staging slots':<15}{'serial':>9}{'overlapped':>12}{'DPU':>8}{'overlapped vs serial':>22}")
+for label, r in (("4", split), ("2", two_slots)):
+    ms = r["median_ms"]
+    print(f"{label:<15}{ms['serial']:>9.1f}{ms['overlapped']:>12.1f}{ms['delayed (DPU)']:>8.1f}"
+          f"{r['overlapped_vs_serial']:>21.2f}x")
+
+# %% [markdown]
+# 多两个槽的代价：主机多两块最大单元大小的锁页缓冲，设备上最多多留两个梯度分片（这里各几 MB）；换来的是主机一时落后时反向不必停。
+# 串行一列不受槽数影响（它不走流水线），两次之间的差别就是计时起伏的大小。
 
 # %% [markdown]
 # ## 3. 重叠只改变"什么时候"，不改变"算什么"

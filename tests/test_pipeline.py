@@ -42,9 +42,11 @@ def _same_weights(a: dict, b: dict) -> list[str]:
 
 
 def _serial_and_overlapped(rank, world_size, stage, precision, steps, accumulation, kwargs):
+    serial_ext = {k: v for k, v in kwargs.get("ext", {}).items() if k != "staging_slots"}  # pipeline only
+    serial = {**kwargs, "ext": serial_ext}
     return [
-        train_run(rank, world_size, _config(stage, precision, overlap=overlap, **kwargs), steps, accumulation)
-        for overlap in (False, True)
+        train_run(rank, world_size, _config(stage, precision, overlap=overlap, **args), steps, accumulation)
+        for overlap, args in ((False, serial), (True, kwargs))
     ]
 
 
@@ -57,6 +59,8 @@ CASES = {  # name -> (stage, precision, accumulation, extra config)
     "stage2-fp32-accumulate-torch-adam": (2, "fp32", 3, {"impl": "torch"}),
     "stage3-fp16-offload-param": (3, "fp16", 1, {"offload_param": CPU}),
     "stage2-fp32-partial-offload": (2, "fp32", 1, {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}),
+    "stage2-bf16-four-slots": (2, "bf16", 1, {"ext": {"staging_slots": 4}}),
+    "stage2-fp32-one-slot": (2, "fp32", 1, {"ext": {"staging_slots": 1}}),
 }
 
 
@@ -117,13 +121,14 @@ def test_with_clipping_adam_waits_for_the_global_norm():
     assert [s for s in _spans(engine, "D2H") if s.step == 1][0].start < backward.end  # copies still overlap
 
 
-def test_the_host_stages_through_two_slots_of_the_largest_unit():
-    engine = _engine(_config(2, "fp16", overlap=True))
+@pytest.mark.parametrize("slots", [None, 3])
+def test_the_host_stages_through_slots_of_the_largest_unit(slots):
+    engine = _engine(_config(2, "fp16", overlap=True, ext={"staging_slots": slots} if slots else None))
     _train(engine, 1)
     pipeline, states = engine._pipeline, engine.states
     largest = max(u.shard_numel for u in states.units)
     for ring in (pipeline.grad_slots, pipeline.weight_slots):
-        assert len(ring.buffers) == 2
+        assert len(ring.buffers) == (slots or 2)  # double-buffered unless staging_slots says otherwise
         assert all(b.numel() == largest and b.dtype == torch.float16 for b in ring.buffers)
         assert not any(engine.accelerator.is_on_device(b) for b in ring.buffers)
         assert ring.uses == len(states.units)  # one use per unit and step, taken in turn
@@ -198,11 +203,18 @@ def test_an_error_on_the_host_queue_surfaces_at_the_step_and_the_next_step_is_no
             _config(2, offload_optimizer={"device": "none"}, ext={"cores": {"host": [0]}}),
             "zero_offload.cores.host",
         ),
+        (_config(2, ext={"staging_slots": 4}), "zero_offload.staging_slots"),  # no pipeline to stage for
     ],
 )
 def test_impossible_module5_combinations_are_refused_with_the_fix(config, key):
     with pytest.raises(NotImplementedError, match=key.replace(".", r"\.")):
         _engine(config)
+
+
+@pytest.mark.parametrize("slots", [0, -2, "4", 2.5])
+def test_a_staging_slot_count_that_is_not_a_positive_integer_is_a_config_error(slots):
+    with pytest.raises(ConfigError, match="zero_offload.staging_slots"):
+        zo.config.load_config(_config(2, overlap=True, ext={"staging_slots": slots}))
 
 
 def test_cores_that_overlap_or_do_not_exist_are_config_errors():

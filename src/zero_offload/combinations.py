@@ -61,6 +61,9 @@ def _module5_problems(config: Config) -> list[tuple[str, str]]:
     )
     if ext.overlap_offload and not offloaded:
         problems.append(("zero_offload.overlap_offload", needs_offload))
+    if ext.staging_slots != 2 and not ext.overlap_offload:
+        problems.append(("zero_offload.staging_slots", "only the overlapped pipeline stages through slots; "
+                         'set "overlap_offload": true, or remove staging_slots'))  # fmt: skip
     dpu = ext.delayed_param_update.enabled
     if dpu and not offloaded:
         problems.append(("zero_offload.delayed_param_update", needs_offload))

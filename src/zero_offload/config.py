@@ -14,6 +14,7 @@ Our own settings live under one top-level key, so a DeepSpeed config stays a Dee
         "device_memory": "512MiB",          # budget of the emulated device (int bytes or a size string)
         "cpu_adam": {"impl": "simd", "threads": 2},  # the host's Adam: "simd" (default) | "torch" | "naive"
         "overlap_offload": true,            # module 5: copies and the host's Adam overlap the device's work
+        "staging_slots": 4,                 # its host staging buffers per direction (default 2: double-buffered)
         "delayed_param_update": {"enabled": true, "start_step": 10},
         "cores": {"device": [0], "host": [1]},  # pin the device's compute and the host's Adam apart
         "seed": 1234
@@ -173,6 +174,9 @@ class ExtensionConfig:
     device_memory: int | None = None  # bytes; None: the real device's size, or ZO_DEVICE_MEMORY
     cpu_adam: CpuAdamConfig = CpuAdamConfig()
     overlap_offload: bool = False  # module 5's pipeline (practice/pipeline.py); off: module 3's serial step
+    # The pipeline's host staging buffers per direction: 2 is double buffering; more let backward run ahead
+    # when the host falls behind for a few units, at the price of that many more device shards kept alive.
+    staging_slots: int = 2
     delayed_param_update: DelayedParamUpdateConfig = DelayedParamUpdateConfig()
     cores: CoresConfig = CoresConfig()
     seed: int = 1234
@@ -645,6 +649,7 @@ def _extension(s: _Section) -> ExtensionConfig:
             threads=adam.get("threads", int, None, optional=True, **_AT_LEAST_1),
         ),
         overlap_offload=s.get("overlap_offload", bool, False),
+        staging_slots=s.get("staging_slots", int, 2, **_AT_LEAST_1),
         delayed_param_update=DelayedParamUpdateConfig(
             enabled=delayed.get("enabled", bool, False),
             start_step=delayed.get("start_step", int, 10, **_NON_NEGATIVE),

@@ -161,7 +161,9 @@ class Engine:
         self._host_queue = host = HostQueue("zo-host", list(ext.cores.host) or None)
         if ext.overlap_offload:
             cores = list(ext.cores.host) or None
-            self._pipeline = OffloadPipeline(self.states, self.accelerator, host=host, cores=cores)
+            self._pipeline = OffloadPipeline(
+                self.states, self.accelerator, host=host, cores=cores, slots=ext.staging_slots
+            )
             self._pipeline.optimizer = self._host_optimizer
             self.states.pipeline = self._pipeline
         if ext.delayed_param_update.enabled:

@@ -51,8 +51,10 @@ def _restored_threads():
         torch.set_num_threads(threads)
 
 
-def _config(batch: int, schedule: dict, pinned: tuple | None, impl: str) -> dict:
+def _config(batch: int, schedule: dict, pinned: tuple | None, impl: str, slots: int = 2) -> dict:
     extension = {"cpu_adam": {"impl": impl}, **schedule}
+    if schedule.get("overlap_offload"):
+        extension["staging_slots"] = slots
     if pinned is not None:
         extension["cores"] = {"device": pinned[0], "host": pinned[1]}
     return {
@@ -78,11 +80,14 @@ def compare_schedules(
     rounds: int = 5,
     cores: str = "split",
     impl: str = "simd",
+    slots: int = 4,
     out_dir: str | Path | None = None,
 ) -> dict:
     """Median ms per step of each schedule (rounds interleaved), the losses, and each one's timeline plot.
 
-    Small batches make the step optimizer-heavy: the device's work shrinks with the batch, Adam's does not."""
+    Small batches make the step optimizer-heavy: the device's work shrinks with the batch, Adam's does not.
+    `slots`: the pipeline's staging slots (zero_offload.staging_slots); with 2 backward waits whenever the host
+    falls behind for two units, which on a CPU standing in for the device happens often."""
     if cores not in ("split", "shared"):
         raise ValueError(f"cores must be 'split' or 'shared', got {cores!r}")
     pinned = split_cores() if cores == "split" else None  # read before the first engine pins this thread
@@ -96,7 +101,7 @@ def compare_schedules(
         engines = {
             name: initialize(
                 TinyGPT(cfg, seed=0),
-                _config(batch, schedule, pinned, impl),
+                _config(batch, schedule, pinned, impl, slots),
                 accelerator=EmulatedAccelerator(),
             )  # fmt: skip
             for name, schedule in SCHEDULES.items()
@@ -104,24 +109,29 @@ def compare_schedules(
         done = dict.fromkeys(engines, 0)
         losses: dict[str, list[float]] = {name: [] for name in engines}
 
-        def run(name: str, count: int) -> float:
-            engine, start = engines[name], time.perf_counter()
+        def run(name: str, count: int) -> list[float]:
+            """ms of each of `count` steps of schedule `name`."""
+            engine, ms = engines[name], []
             for _ in range(count):
+                start = time.perf_counter()
                 x, y = data.global_batch(done[name], batch)
                 loss = lm_loss(engine(x), y)
                 engine.backward(loss)
                 engine.step()
                 losses[name].append(float(loss.detach()))
                 done[name] += 1
+                ms.append((time.perf_counter() - start) * 1000)
+            start = time.perf_counter()
             engine.synchronize()  # the delayed update in flight is part of this turn's time, not the next's
-            return (time.perf_counter() - start) / count * 1000
+            ms[-1] += (time.perf_counter() - start) * 1000
+            return ms
 
         for name in engines:
             run(name, 3)  # warm-up: first-touch faults, the C build, the delayed update's warm-up steps
         times: dict[str, list[float]] = {name: [] for name in engines}
         for _ in tqdm(range(rounds), desc=f"schedules, {cores} cores", unit="round"):
             for name in engines:
-                times[name].append(run(name, steps))
+                times[name] += run(name, steps)
         for engine in engines.values():
             engine.synchronize()
         plots = {}
@@ -141,6 +151,7 @@ def compare_schedules(
         "batch": batch,
         "seq_len": seq_len,
         "cores": cores,
+        "slots": slots,
         "median_ms": ms,
         "overlapped_vs_serial": ms["serial"] / ms["overlapped"],
         "delayed_vs_overlapped": ms["overlapped"] / ms["delayed (DPU)"],
