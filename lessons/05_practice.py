@@ -849,7 +849,7 @@ print(textwrap.dedent("""\
     torchrun --nnodes 2 --node_rank 0 --nproc_per_node 1 --master_addr HOST0 --master_port 29500 \\
              -m zero_offload.cli train --config ds_config.json --out /shared/out/train
     # the same two "nodes" on this machine, meeting on 127.0.0.1 (make train-multinode)
-    python tools/train_multinode.py --nodes 2 -- --model tiny --steps 60 --out out/train-multinode"""))
+    python tools/multinode.py --nodes 2 -- --model tiny --steps 60 --out out/train-multinode"""))
 
 # %% [markdown]
 # ### 7.1 断点续训（一个进程）
@@ -884,13 +884,13 @@ print(f"losses identical: {resumed['losses'] == straight['losses']}; eval losses
 # %% [markdown]
 # ### 7.2 两个"节点"
 #
-# `tools/train_multinode.py` 在这台机器上起两个 `torchrun` 代理，各带一个 rank，`--node_rank` 0 和 1，在 127.0.0.1 上会合，
+# `tools/multinode.py` 在这台机器上起两个 `torchrun` 代理，各带一个 rank，`--node_rank` 0 和 1，在 127.0.0.1 上会合，
 # 就像两台机器各运行一遍上面那条命令。每个 rank 拿一半的全局批次，梯度归约之后与一个进程训练整个批次是同一件事
 # （只差加法的顺序），所以 loss 应当与一个进程的几乎相同：
 
 # %%
 def multinode(out: Path, *train_args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(ROOT / "tools" / "train_multinode.py"), "--nodes", "2", "--grace", "20", "--",
+    command = [sys.executable, str(ROOT / "tools" / "multinode.py"), "--nodes", "2", "--grace", "20", "--",
                "--config", str(mn_config), "--model", "tiny", "--out", str(out), *train_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
