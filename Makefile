@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 
 # Tests that compare measured times run alone, after the rest: on two busy cores their clocks would lie.
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not timing" tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15 -m "not timing" tests
 	$(PY) -m pytest -q -m timing tests
 
 # Two ranks under torchrun on loopback, an emulated 512 MB device; report and plots in out/demo/.

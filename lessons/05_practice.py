@@ -117,8 +117,8 @@ print(f"figures go to {OUT.relative_to(ROOT)}/")
 # 第 5 模块的两个开关都在配置的 `"zero_offload"` 一节里：
 #
 # - `"overlap_offload": true`（`practice/pipeline.py`）：每个单元的梯度一算出来就经**拷贝流**下行，CPU 的**主机队列**马上累加、
-#   做这个单元的 Adam、把新权重交给拷贝流上行。第 k 个单元做 Adam 时，第 k+1 个在下行，第 k−1 个在上行。
-#   主机上的中转缓冲是双缓冲（`SlotRing`）：一个槽只有在读它的人读完之后才能再写；
+#   做这个单元的 Adam、把新权重交给**上传流**上行。第 k 个单元做 Adam 时，第 k+1 个在下行，第 k−1 个在上行。
+#   主机上的中转缓冲轮流使用（`SlotRing`，默认两个槽即双缓冲，`"staging_slots"` 可调）：一个槽只有在读它的人读完之后才能再写；
 # - `"delayed_param_update": {"enabled": true, "start_step": N}`（`practice/dpu.py`）：从第 N 步起，第 t 步的 Adam
 #   在第 t+1 步的前向、反向**期间**跑，第 t+1 步用的是晚一步的权重（论文的 DPU）；
 # - `"cores": {"device": [0], "host": [1]}`：这台机器上没有 GPU，设备是模拟的，它的计算也在 CPU 上。
@@ -134,12 +134,13 @@ print(f"figures go to {OUT.relative_to(ROOT)}/")
 #
 # `practice.schedules.compare_schedules` 用同一个模型、同样的数据建三个引擎（stage 2 + `offload_optimizer`、fp32、C Adam），
 # 一轮里三个调度各跑几步，交替若干轮，取每步时间的中位数；每轮结束时 `engine.synchronize()`，DPU 还在路上的那次更新算进它自己这一轮。
-# 重叠与 DPU 用 4 个主机暂存槽（`"staging_slots": 4`，默认 2 即双缓冲；为什么要 4 个，见 2.4 节）。先看一个批 1、序列长 32 的小模型，分核：
+# 重叠与 DPU 用 4 个主机暂存槽（`"staging_slots": 4`，默认 2 即双缓冲；为什么要 4 个，见 2.4 节）。
+# 先看 `make bench` 用的那个设置：10.8M 参数的模型，批 1、每条 8 个字节。每步的 token 极少，设备的活少、Adam 的份额大（"重优化器"），分核：
 
 # %%
-S_MODEL = "nano" if SMOKE else "small"
+S_MODEL = "nano" if SMOKE else "10m"
 S_ROUNDS, S_STEPS = (2, 2) if SMOKE else (7, 4)
-S_SEQ = 32
+S_SEQ = 8
 split = compare_schedules(S_MODEL, batch=1, seq_len=S_SEQ, steps=S_STEPS, rounds=S_ROUNDS, cores="split",
                           out_dir=OUT)
 cores_split = split_cores()

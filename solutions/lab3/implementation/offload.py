@@ -196,7 +196,7 @@ class OffloadedStates(ShardedStates):
         pipelined: bool = False,
     ):
         self.transfers = Transfers(accel)
-        # Module 5's pipeline stages gradients through two slots of its own: no full-size staging buffer here.
+        # Module 5's pipeline stages gradients through slots of its own: no full-size staging buffer here.
         self.pipelined = pipelined
         self.loss_scale = loss_scale  # read as each shard arrives: gradients reach the host unscaled
         self.offload_param = zero.offload_param.enabled
@@ -373,7 +373,7 @@ class OffloadedStates(ShardedStates):
     def host_staging_bytes(self) -> int:
         """Host memory beyond the model states: the fp16 buffers gradients and weights pass through."""
         staging = list(self.grad_staging)
-        if self.pipeline is not None:  # module 5's double-buffered slots
+        if self.pipeline is not None:  # module 5's staging slots
             staging += self.pipeline.grad_slots.buffers
             staging += self.pipeline.weight_slots.buffers if self.pipeline.weight_slots else []
         buffers = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in staging}
