@@ -20,7 +20,7 @@ from training import BATCH, SEQ, make_config, train_run
 import zero_offload as zo
 from zero_offload.accelerator import EmulatedAccelerator
 from zero_offload.config import ConfigError
-from zero_offload.practice.pipeline import HostQueue, SlotRing
+from zero_offload.practice.pipeline import HostQueue, OffloadPipeline, SlotRing
 from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss
 
 CPU = {"device": "cpu"}
@@ -253,12 +253,12 @@ def _stale_reference(steps, start):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_the_delayed_update_is_exact_during_warm_up_and_one_step_stale_after(overlap):
+@pytest.mark.parametrize(("overlap", "impl"), [(False, "torch"), (True, "torch"), (True, "simd")])
+def test_the_delayed_update_is_exact_during_warm_up_and_one_step_stale_after(overlap, impl):
     steps, start = 8, 3
     dpu = {"delayed_param_update": {"enabled": True, "start_step": start}}
-    plain = _train(_engine(_config(2, overlap=overlap, impl="torch")), steps)
-    engine = _engine(_config(2, overlap=overlap, impl="torch", ext=dpu))
+    plain = _train(_engine(_config(2, overlap=overlap, impl=impl)), steps)
+    engine = _engine(_config(2, overlap=overlap, impl=impl, ext=dpu))
     delayed = _train(engine, steps)
     engine.synchronize()  # the last update is still in flight
     # Steps 0..start compute on the same weights; from start + 1 on the delayed run sees older ones.
@@ -268,6 +268,27 @@ def test_the_delayed_update_is_exact_during_warm_up_and_one_step_stale_after(ove
     assert delayed == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     for name, param in engine.model.named_parameters():
         torch.testing.assert_close(param.detach().float(), ref_weights[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_delayed_weights_go_up_during_the_next_backward_and_change_nothing(precision, monkeypatch):
+    dpu = {"delayed_param_update": {"enabled": True, "start_step": 1}}
+    engine = _engine(_config(2, precision, overlap=True, ext=dpu))
+    losses = _train(engine, 4)
+    step = 3  # its backward ran while step 2's update was in flight
+    backward = [s for s in _spans(engine, "backward") if s.step == step][0]
+    early = [s for s in _spans(engine, "H2D") if s.step == step and s.start < backward.end]
+    assert len(early) == len(engine.states.units), "every unit's new weights should go up during backward"
+    engine.synchronize()
+    # The same run with every upload left to the step: the same losses and the same bits.
+    monkeypatch.setattr(OffloadPipeline, "upload_during_backward", lambda self, update: None)
+    at_step = _engine(_config(2, precision, overlap=True, ext=dpu))
+    assert _train(at_step, 4) == losses
+    at_step.synchronize()
+    assert not _same_weights(
+        {n: p.detach().clone() for n, p in engine.model.named_parameters()},
+        {n: p.detach().clone() for n, p in at_step.model.named_parameters()},
+    )
 
 
 def test_a_checkpoint_under_the_delayed_update_resumes_exactly(tmp_path):

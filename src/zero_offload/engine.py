@@ -167,7 +167,10 @@ class Engine:
             self._pipeline.optimizer = self._host_optimizer
             self.states.pipeline = self._pipeline
         if ext.delayed_param_update.enabled:
-            self._delayed = DelayedUpdate(host, ext.delayed_param_update.start_step)
+            # With the pipeline every write of the host's gradients is queued on `host` behind Adam: no copy.
+            self._delayed = DelayedUpdate(
+                host, ext.delayed_param_update.start_step, copy_gradients=self._pipeline is None
+            )
 
     def _build_optimizers(self, config: Config):
         """One Adam over every master partition; with a partial offload, one on the host and one on the device.
@@ -318,7 +321,7 @@ class Engine:
         ):  # module 5: unit by unit, overlapped with the uploads (or done already)
             self._pipeline.update(clip_factor)
             self._pipeline.wait()
-            states.weights_uploaded = True
+            states.uploaded_units = set(range(states.host_units))
         elif self._host_queue is not None:  # serial, on the host's own cores: the device waits meanwhile
             self._host_queue.submit(self._host_update, grads[:split], clip_factor).wait()
             self._timeline.add("Adam", start, time.perf_counter())
@@ -352,8 +355,12 @@ class Engine:
                 self._host_update(snapshot, clip_factor)
 
         self._delayed.step(grads, adam, self._publish_delayed, skip=overflow)
+        if self._pipeline is not None and self._one_pass and self._delayed.in_flight is not None:
+            self._pipeline.upload_during_backward(self._delayed.in_flight)
 
     def _publish_delayed(self) -> None:
+        if self._pipeline is not None:  # the units whose new weights went up during backward already
+            self.states.uploaded_units = self._pipeline.take_early_uploads()
         self.states.publish()
         if self.lr_scheduler is not None:  # the update that just landed read the old rate: move on now
             self.lr_scheduler.step()

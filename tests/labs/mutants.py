@@ -529,16 +529,31 @@ MUTANTS.update(
         """,
             ),
             (
-                "launches before the previous update has landed",
+                "copies the gradients even when told not to",
                 """
+            self.finish(publish)
             if skip:
-                self.finish(publish)
                 return
             if self.snapshot is None:
                 self.snapshot = [torch.empty_like(g) for g in grads]
             for saved, grad in zip(self.snapshot, grads, strict=True):
                 saved.copy_(grad)
-            launched = self.host.submit(adam, self.snapshot)
+            self.in_flight = self.host.submit(adam, self.snapshot)
+        """,
+            ),
+            (
+                "launches before the previous update has landed",
+                """
+            if skip:
+                self.finish(publish)
+                return
+            if self.copy_gradients:
+                if self.snapshot is None:
+                    self.snapshot = [torch.empty_like(g) for g in grads]
+                for saved, grad in zip(self.snapshot, grads, strict=True):
+                    saved.copy_(grad)
+                grads = self.snapshot
+            launched = self.host.submit(adam, grads)
             self.finish(publish)
             self.in_flight = launched
         """,
@@ -546,8 +561,8 @@ MUTANTS.update(
             (
                 "waits for its own update: nothing is delayed",
                 (
-                    _CODE + "self.in_flight = self.host.submit(adam, self.snapshot)",
-                    _CODE + "self.host.submit(adam, self.snapshot).wait()",
+                    _CODE + "self.in_flight = self.host.submit(adam, grads)",
+                    _CODE + "self.host.submit(adam, grads).wait()",
                 ),
             ),
             ("a skipped step still launches", ("if skip:", "if False:")),

@@ -352,6 +352,17 @@ def test_adam_reads_a_snapshot_not_the_gradients_the_next_backward_writes(monkey
 
 
 @pytest.mark.task("5.3")
+def test_without_copy_gradients_adam_reads_the_gradients_in_place(monkeypatch):
+    _others("5.3", monkeypatch)
+    update = dpu.DelayedUpdate(pipeline.HostQueue("host"), start_step=0, copy_gradients=False)
+    grads, read = [torch.ones(3)], []
+    update.step(grads, lambda g: read.append(g), lambda: None, skip=False)
+    update.finish(lambda: None)
+    assert read and read[0][0] is grads[0], "with copy_gradients=False Adam must get the gradients themselves"
+    assert update.snapshot is None, "nothing to copy: no snapshot should be made"
+
+
+@pytest.mark.task("5.3")
 def test_each_step_publishes_the_previous_update_before_launching_its_own(monkeypatch):
     _others("5.3", monkeypatch)
     update, log, published = dpu.DelayedUpdate(pipeline.HostQueue("host"), start_step=0), [], []

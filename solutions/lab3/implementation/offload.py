@@ -207,9 +207,9 @@ class OffloadedStates(ShardedStates):
         # Set by module 4's one-pass CPU Adam, which writes the fp16 weights into the staging buffers itself.
         self.weights_rounded = False
         # Module 5's overlapped pipeline (practice/pipeline.py), when on: it moves the host units' gradients
-        # down during backward and their weights up after Adam, and sets weights_uploaded.
+        # down during backward and their weights up after Adam, and names the units it uploaded here.
         self.pipeline = None
-        self.weights_uploaded = False
+        self.uploaded_units: set[int] = set()
         super().__init__(model, accel, precision, stage, comm, zero)
 
     def _partitions_gradients(self) -> bool:
@@ -322,9 +322,9 @@ class OffloadedStates(ShardedStates):
 
     def publish(self) -> None:
         rounded, self.weights_rounded = self.weights_rounded, False
-        uploaded, self.weights_uploaded = self.weights_uploaded, False
+        uploaded, self.uploaded_units = self.uploaded_units, set()
         for index in range(len(self.units)):
-            if index < self.host_units and uploaded:  # module 5's pipeline did the rounding and upload
+            if index in uploaded:  # module 5's pipeline did the rounding and upload
                 if self.offload_param:
                     continue
             elif index >= self.host_units:  # updated on the device: round there, nothing crosses the link

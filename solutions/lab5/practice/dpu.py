@@ -11,7 +11,8 @@ let the update lag by one step:
 so the gradient applied at step t+1 was computed on weights one update old: w_t+2 = Adam(w_t+1, grad(w_t)).
 The first `start_step` steps run synchronously, because early updates are large and a stale gradient hurts
 most then (the paper turns DPU on after a few dozen steps). Adam reads a snapshot of the gradients, since the
-next backward accumulates into the live buffer while Adam runs.
+next backward may write the live buffer while Adam runs. Module 5's pipeline needs none: there every write of the
+host's gradients is a task on the host queue, queued behind Adam, so Adam may read them where they are.
 
 A checkpoint, or anything else that must see the current weights, calls `finish`: it waits and publishes.
 """
@@ -28,8 +29,10 @@ from ..accelerator import Event
 class DelayedUpdate:
     """Keeps at most one update in flight on the host queue."""
 
-    def __init__(self, host, start_step: int):
+    def __init__(self, host, start_step: int, *, copy_gradients: bool = True):
         self.host, self.start_step = host, start_step
+        # False only when nothing can write the gradients before the update in flight has read them.
+        self.copy_gradients = copy_gradients
         self.in_flight: Event | None = None
         self.snapshot: list[torch.Tensor] | None = None  # the gradients the update in flight reads
 
@@ -45,17 +48,20 @@ class DelayedUpdate:
         # BEGIN LAB 5.3: the delayed parameter update
         # 1. Finish the previous step's update first: self.finish(publish) waits for it and publishes its
         #    weights (forward t+1 must read them, and Adam must not run twice at once on the same masters).
-        # 2. Unless `skip`: copy `grads` into self.snapshot (allocate it on first use: one torch.empty_like per
-        #    gradient tensor), because the next backward accumulates into `grads` while Adam runs. Then launch
-        #    Adam on the snapshot without waiting: self.in_flight = self.host.submit(adam, self.snapshot).
+        # 2. Unless `skip`: if self.copy_gradients, copy `grads` into self.snapshot (allocate it on first use:
+        #    one torch.empty_like per gradient tensor), because the next backward may write `grads` while Adam
+        #    runs, and give Adam the snapshot; otherwise give it `grads` themselves. Launch Adam without
+        #    waiting: self.in_flight = self.host.submit(adam, <the snapshot or grads>).
         self.finish(publish)
         if skip:
             return
-        if self.snapshot is None:
-            self.snapshot = [torch.empty_like(g) for g in grads]
-        for saved, grad in zip(self.snapshot, grads, strict=True):
-            saved.copy_(grad)
-        self.in_flight = self.host.submit(adam, self.snapshot)
+        if self.copy_gradients:
+            if self.snapshot is None:
+                self.snapshot = [torch.empty_like(g) for g in grads]
+            for saved, grad in zip(self.snapshot, grads, strict=True):
+                saved.copy_(grad)
+            grads = self.snapshot
+        self.in_flight = self.host.submit(adam, grads)
         # END LAB 5.3
 
     def finish(self, publish: Callable[[], None]) -> bool:

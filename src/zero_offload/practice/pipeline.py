@@ -116,6 +116,9 @@ class OffloadPipeline:
         self._alive: list[tuple[torch.Tensor, Event]] = []  # device shards whose copy may still read them
         self.updated: set[int] = set()  # units whose Adam has been queued this step
         self.adam_seconds = 0.0
+        # DPU: the delayed update in flight, whose weights may go up unit by unit during the next backward.
+        self._early_after: Event | None = None
+        self.early: dict[int, Event] = {}  # unit -> the upload of its new weights, queued during backward
 
     # -- backward: called by OffloadedStates as each reduced shard is ready -----------------------------------
     def deliver(self, index: int, shard: torch.Tensor) -> None:
@@ -150,6 +153,8 @@ class OffloadPipeline:
 
     def _take_gradient(self, index: int, staging: torch.Tensor) -> Event:
         """Queue the host's work on a gradient that has arrived in `staging`; the event of its last read."""
+        if self._early_after is not None and self.final:
+            self._upload_early(index)
         if self.eager and self.direct:  # nothing to add it to: Adam reads the slot itself
             return self._update_unit(index, grad=staging)
         self._clear_grads_if("undefined")
@@ -207,6 +212,32 @@ class OffloadPipeline:
                 self.weight_slots.release(slot, up)  # before the slot's next acquire, which must wait for it
             self._pending.append(up)
         return adam
+
+    # -- DPU: the delayed update's weights go up during the next backward ------------------------------------
+    def upload_during_backward(self, update: Event) -> None:
+        """`update` (the delayed Adam just launched, module 4's C Adam: it rounds into param_staging itself)
+        rewrites every host unit's weights. Once the next backward is done with a unit, nothing reads that
+        unit's weights before the next forward, so its new ones may go up then instead of at the step."""
+        self._early_after = update
+
+    def _upload_early(self, index: int) -> None:
+        states = self.states
+        if index >= states.host_units or states.offload_param or index in self.early:
+            return
+        self.upload.wait_event(self._early_after)  # the weights exist once the whole update has run
+        self.early[index] = self.upload.submit(
+            states.transfers.to_device,
+            states.param_shards[index],
+            states.param_staging[index],
+            blocking=False,
+        )
+
+    def take_early_uploads(self) -> set[int]:
+        """Wait for the uploads queued during backward and forget them; the units they covered."""
+        early, self.early, self._early_after = self.early, {}, None
+        for event in early.values():
+            event.wait()
+        return set(early)
 
     def _adam(self, index: int, out: torch.Tensor | None, staged: torch.Tensor | None = None) -> None:
         states, optimizer = self.states, self.optimizer
