@@ -274,16 +274,29 @@ def test_the_delayed_update_is_exact_during_warm_up_and_one_step_stale_after(ove
 def test_the_delayed_weights_go_up_during_the_next_backward_and_change_nothing(precision, monkeypatch):
     dpu = {"delayed_param_update": {"enabled": True, "start_step": 1}}
     engine = _engine(_config(2, precision, overlap=True, ext=dpu))
+    queued, upload_early = [], OffloadPipeline._upload_early
+
+    def recording(pipeline, index):  # called as each unit's gradient arrives, i.e. during backward
+        queued.append((engine.global_steps, pipeline.final, index))
+        upload_early(pipeline, index)
+
+    monkeypatch.setattr(OffloadPipeline, "_upload_early", recording)
     losses = _train(engine, 4)
-    step = 3  # its backward ran while step 2's update was in flight
-    backward = [s for s in _spans(engine, "backward") if s.step == step][0]
-    early = [s for s in _spans(engine, "H2D") if s.step == step and s.start < backward.end]
-    assert len(early) == len(engine.states.units), "every unit's new weights should go up during backward"
+    units = len(engine.states.units)
+    # Steps 2 and 3 ran backward while the update of the step before was in flight: every unit went up then.
+    assert sorted(queued) == [(step, True, i) for step in (2, 3) for i in range(units)]
+
+    def uploads_during_backward(engine, step=3):
+        backward = [s for s in _spans(engine, "backward") if s.step == step][0]
+        return [s for s in _spans(engine, "H2D") if s.step == step and s.start < backward.end]
+
     engine.synchronize()
-    # The same run with every upload left to the step: the same losses and the same bits.
+    monkeypatch.undo()
+    # The same run with every upload left to the step: none during backward, the same losses, the same bits.
     monkeypatch.setattr(OffloadPipeline, "upload_during_backward", lambda self, update: None)
     at_step = _engine(_config(2, precision, overlap=True, ext=dpu))
     assert _train(at_step, 4) == losses
+    assert not uploads_during_backward(at_step)
     at_step.synchronize()
     assert not _same_weights(
         {n: p.detach().clone() for n, p in engine.model.named_parameters()},
@@ -330,3 +343,13 @@ def test_copy_streams_that_block_on_host_events_as_cuda_does_still_give_the_seri
         {n: p.detach().clone() for n, p in serial.model.named_parameters()},
     )
     assert engine._pipeline.eager is False  # Adam waits for the step: the upload stream cannot wait for it
+
+
+def test_with_an_upload_stream_that_blocks_the_delayed_weights_go_up_at_the_step():
+    dpu = {"delayed_param_update": {"enabled": True, "start_step": 1}}
+    engine = _engine(_config(2, overlap=True, ext=dpu))
+    engine._pipeline.upload = _BlockingCopyStream(engine._pipeline.upload)
+    _train(engine, 3)
+    # Queuing them during backward would block backward until the delayed Adam is done.
+    assert engine._pipeline._early_after is None and not engine._pipeline.early
+    engine.synchronize()

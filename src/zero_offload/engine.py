@@ -355,8 +355,11 @@ class Engine:
                 self._host_update(snapshot, clip_factor)
 
         self._delayed.step(grads, adam, self._publish_delayed, skip=overflow)
-        if self._pipeline is not None and self._one_pass and self._delayed.in_flight is not None:
-            self._pipeline.upload_during_backward(self._delayed.in_flight)
+        pipeline, in_flight = self._pipeline, self._delayed.in_flight
+        # Early uploads wait for the host's Adam on the upload stream: only where that does not block backward.
+        early = pipeline is not None and self._one_pass and pipeline.upload.waits_without_blocking
+        if early and in_flight is not None:
+            pipeline.upload_during_backward(in_flight)
 
     def _publish_delayed(self) -> None:
         if self._pipeline is not None:  # the units whose new weights went up during backward already
