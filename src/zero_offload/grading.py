@@ -224,7 +224,9 @@ def _syntax_errors(package: Path, files: list[str]) -> list[str]:
     return errors
 
 
-def _run_tests(lab: int, overlay: Path, repo: Path, tasks: tuple[str, ...] = ()) -> tuple[dict, str]:
+def _run_tests(
+    lab: int, overlay: Path, repo: Path, tasks: tuple[str, ...] = (), *, first_failure: bool = False
+) -> tuple[dict, str]:
     results = overlay / "results.json"
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # e.g. no `-n 2` from a caller
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(overlay), os.environ.get("PYTHONPATH")]))
@@ -236,6 +238,8 @@ def _run_tests(lab: int, overlay: Path, repo: Path, tasks: tuple[str, ...] = ())
     )
     command = [sys.executable, "-m", "pytest", "-q", "-p", "zero_offload.grading_plugin",
                "-p", "no:cacheprovider", "-p", "no:xdist", "-m", f"lab{lab}", str(repo / "tests" / "labs")]  # fmt: skip
+    if first_failure:  # the tests after it show as "did not run", so their tasks cannot pass either
+        command.append("-x")
     try:
         run = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as err:
@@ -276,9 +280,11 @@ def grade(
     *,
     repo_root: str | Path | None = None,
     tasks: tuple[str, ...] = (),
+    first_failure: bool = False,
 ) -> GradeResult:
     """Run lab's graded tests against the files in `lab_dir`/labN, or in `lab_dir` itself (only `tasks`' tests
-    if given: the other tasks then show as having no tests)."""
+    if given: the other tasks then show as having no tests). `first_failure`: stop at the first failing test,
+    when all one needs to know is whether the task fails (the course's own check that a mistake is caught)."""
     if lab not in LABS:
         raise GradingError(f"there is no lab {lab}; the course has labs {', '.join(map(str, LABS))}")
     spec = LABS[lab]
@@ -298,7 +304,10 @@ def grade(
         for rel in files:
             shutil.copyfile(source / rel, package / rel)
         broken = _syntax_errors(package, files)  # say where: pytest would only fail to import the package
-        data, output = ({"errors": broken}, "") if broken else _run_tests(lab, Path(tmp), repo, tasks)
+        if broken:
+            data, output = {"errors": broken}, ""
+        else:
+            data, output = _run_tests(lab, Path(tmp), repo, tasks, first_failure=first_failure)
     return summarize(spec, data, output, source)
 
 
