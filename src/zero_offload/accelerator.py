@@ -212,9 +212,8 @@ class EmulatedAccelerator(Accelerator):
         self._by_storage: dict[int, _Allocation] = {}  # storage data_ptr -> its live allocation
         self._by_category = dict.fromkeys(CATEGORIES, 0)
         self._in_use = self._peak = 0
-        self._compute_copies: dict[
-            int, torch.Tensor
-        ] = {}  # storage data_ptr -> the weight it was upcast from
+        # storage data_ptr of a compute copy -> the weight it was upcast from
+        self._compute_copies: dict[int, torch.Tensor | None] = {}
 
     # -- the budget -------------------------------------------------------------------------------------------
     def _charge(self, nbytes: int, category: str) -> None:

@@ -23,9 +23,9 @@ On the emulated device a "stream" is a worker thread and an event a future; torc
 release the GIL, so this is real overlap on two cores. Each direction has its own stream, as a GPU has a copy
 engine for each: an upload waits for its unit's Adam, and on a single in-order stream that wait would hold up
 the next gradient's way down, so that D2H, Adam and H2D ran one after the other. On CUDA the two streams are
-CUDA streams and the copies are asynchronous DMA from pinned memory; a CUDA stream cannot wait for a host thread without blocking the thread
-that asks, so there Adam runs at the step (each unit's upload still overlapping the next unit's Adam) rather
-than during backward.
+CUDA streams and the copies are asynchronous DMA from pinned memory; a CUDA stream cannot wait for a host thread
+without blocking the thread that asks, so there Adam runs at the step (each unit's upload still overlapping the
+next unit's Adam) rather than during backward.
 """
 
 from __future__ import annotations
@@ -205,13 +205,16 @@ class OffloadPipeline:
         if not states.offload_param:
             self.upload.wait_event(adam)  # on CUDA this blocks until Adam is done: see the engine's `eager`
             source = out if out is not None else states.master_params[index]  # fp32: the master itself
-            up = self.upload.submit(
-                states.transfers.to_device, states.param_shards[index], source, blocking=False
-            )
+            up = self._upload(index, source)
             if slot is not None:
                 self.weight_slots.release(slot, up)  # before the slot's next acquire, which must wait for it
             self._pending.append(up)
         return adam
+
+    def _upload(self, index: int, source: torch.Tensor) -> Event:
+        """Unit `index`'s new weights from host `source` into its device shard, on the upload stream."""
+        target = self.states.param_shards[index]
+        return self.upload.submit(self.states.transfers.to_device, target, source, blocking=False)
 
     # -- DPU: the delayed update's weights go up during the next backward ------------------------------------
     def upload_during_backward(self, update: Event) -> None:
@@ -221,16 +224,10 @@ class OffloadPipeline:
         self._early_after = update
 
     def _upload_early(self, index: int) -> None:
-        states = self.states
-        if index >= states.host_units or states.offload_param or index in self.early:
-            return
+        # Every unit delivered is a host unit whose weights live on the device: DPU is refused with a partial
+        # offload and with offload_param (combinations.py).
         self.upload.wait_event(self._early_after)  # the weights exist once the whole update has run
-        self.early[index] = self.upload.submit(
-            states.transfers.to_device,
-            states.param_shards[index],
-            states.param_staging[index],
-            blocking=False,
-        )
+        self.early[index] = self._upload(index, self.states.param_staging[index])
 
     def take_early_uploads(self) -> set[int]:
         """Wait for the uploads queued during backward and forget them; the units they covered."""

@@ -132,8 +132,6 @@ def compare_schedules(
         for _ in tqdm(range(rounds), desc=f"schedules, {cores} cores", unit="round"):
             for name in engines:
                 times[name] += run(name, steps)
-        for engine in engines.values():
-            engine.synchronize()
         plots = {}
         if out_dir is not None:
             out = Path(out_dir)
