@@ -353,3 +353,19 @@ def test_with_an_upload_stream_that_blocks_the_delayed_weights_go_up_at_the_step
     # Queuing them during backward would block backward until the delayed Adam is done.
     assert engine._pipeline._early_after is None and not engine._pipeline.early
     engine.synchronize()
+
+
+def test_compare_schedules_pairs_each_round_and_trains_the_same_model_three_ways():
+    from zero_offload.practice.schedules import compare_schedules
+
+    result = compare_schedules("nano", seq_len=8, steps=2, rounds=3, cores="shared")
+    rounds = result["per_round_ms"]
+    assert len(rounds) == 3 and all(set(r) == set(result["median_ms"]) for r in rounds)
+    # The speed-up is the median of each round's own ratio, not a ratio of medians taken over different rounds.
+    ratios = sorted(r["serial"] / r["overlapped"] for r in rounds)
+    assert result["overlapped_vs_serial"] == ratios[1]
+    losses = result["losses"]
+    assert losses["overlapped"] == losses["serial"]  # fp32 on the CPU: the same numbers, bit for bit
+    assert losses["delayed (DPU)"][:2] == losses["serial"][:2]  # the delayed update's warm-up steps are exact
+    with pytest.raises(ValueError, match="'split' or 'shared'"):
+        compare_schedules("nano", cores="both")

@@ -85,6 +85,9 @@ def compare_schedules(
 ) -> dict:
     """Median ms per step of each schedule (rounds interleaved), the losses, and each one's timeline plot.
 
+    The speed-ups are medians of per-round ratios: this machine's speed drifts by 10-20% over seconds (a
+    shared VM), and two schedules timed in the same round see the same drift.
+
     Small batches make the step optimizer-heavy: the device's work shrinks with the batch, Adam's does not.
     `slots`: the pipeline's staging slots (zero_offload.staging_slots); with 2 backward waits whenever the host
     falls behind for two units, which on a CPU standing in for the device happens often."""
@@ -129,9 +132,14 @@ def compare_schedules(
         for name in engines:
             run(name, 3)  # warm-up: first-touch faults, the C build, the delayed update's warm-up steps
         times: dict[str, list[float]] = {name: [] for name in engines}
+        by_round: list[dict[str, float]] = []  # each round's median ms per schedule
+        order = list(engines)
         for _ in tqdm(range(rounds), desc=f"schedules, {cores} cores", unit="round"):
-            for name in engines:
-                times[name] += run(name, steps)
+            this_round = {name: run(name, steps) for name in order}
+            for name, values in this_round.items():
+                times[name] += values
+            by_round.append({name: statistics.median(values) for name, values in this_round.items()})
+            order.reverse()  # a machine that drifts slower or faster during a round favours neither end
         plots = {}
         if out_dir is not None:
             out = Path(out_dir)
@@ -143,6 +151,11 @@ def compare_schedules(
                     and out / f"timeline_{slug}_{cores}.png"
                 )
     ms = {name: statistics.median(values) for name, values in times.items()}
+
+    def paired(numerator: str, denominator: str) -> float:
+        """The median over rounds of one schedule's time over another's, each ratio from one round."""
+        return statistics.median(r[numerator] / r[denominator] for r in by_round)
+
     return {
         "model": model,
         "params": cfg.num_params(),
@@ -151,8 +164,9 @@ def compare_schedules(
         "cores": cores,
         "slots": slots,
         "median_ms": ms,
-        "overlapped_vs_serial": ms["serial"] / ms["overlapped"],
-        "delayed_vs_overlapped": ms["overlapped"] / ms["delayed (DPU)"],
+        "per_round_ms": by_round,
+        "overlapped_vs_serial": paired("serial", "overlapped"),
+        "delayed_vs_overlapped": paired("overlapped", "delayed (DPU)"),
         "losses": losses,
         "plots": plots,
     }
