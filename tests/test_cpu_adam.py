@@ -18,7 +18,14 @@ from zero_offload.tuning import build as build_module
 if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
     pytest.skip("no C compiler on this machine", allow_module_level=True)
 
-from zero_offload.tuning.cpu_adam import CPUAdam, adam_update, memory_floor  # noqa: E402
+from zero_offload.tuning.cpu_adam import (  # noqa: E402
+    NORM_ROW,
+    CPUAdam,
+    adam_update,
+    memory_floor,
+    norm_rows,
+    squared_norm_of_rows,
+)
 
 VARIANTS = [
     v
@@ -159,6 +166,46 @@ def test_the_kernel_passes_its_tests_under_address_and_undefined_behaviour_sanit
 def test_threads_give_identical_results(variant):
     results = [_run(variant, 300_001, threads=t)[0] for t in (1, 2, 3, 4)]
     assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
+def _row_squares(variant, n, threads=1, grad_dtype=torch.float32, offset=0):
+    param, grad, m, v = _tensors(n, grad_dtype=grad_dtype, offset=offset)
+    rows = torch.full((norm_rows(n),), float("nan"))  # every row must be written
+    adam_update(param, grad, m, v, step=1, variant=variant, threads=threads, grad_scale=0.5, row_squares=rows,
+                **HYPER)  # fmt: skip
+    reference = _tensors(n, grad_dtype=grad_dtype)[1].double() * 0.5
+    return rows, reference
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_update_sums_the_squared_gradient_norm_row_by_row(variant, grad_dtype):
+    n = 5 * NORM_ROW + 13  # a short last row
+    rows, reference = _row_squares(variant, n, grad_dtype=grad_dtype)
+    expected = reference.square().view(-1)
+    expected_rows = [float(expected[r : r + NORM_ROW].sum()) for r in range(0, n, NORM_ROW)]
+    # fp32 sums of 4096 squares: a few parts in a million (the scalar loop, adding one at a time, the most)
+    torch.testing.assert_close(
+        rows.double(), torch.tensor(expected_rows, dtype=torch.float64), rtol=3e-5, atol=0
+    )
+    assert squared_norm_of_rows(rows) == pytest.approx(float(expected.sum()), rel=3e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_row_squares_do_not_depend_on_threads_or_alignment(variant):
+    n = 300_001
+    first, _ = _row_squares(variant, n)
+    for threads, offset in ((2, 0), (3, 1), (4, 5)):
+        rows, _ = _row_squares(variant, n, threads=threads, offset=offset)
+        assert torch.equal(rows, first), (threads, offset)
+
+
+def test_row_squares_of_the_wrong_size_are_refused_before_any_memory_is_touched():
+    param, grad, m, v = _tensors(NORM_ROW + 1)
+    before = param.clone()
+    with pytest.raises(ValueError, match="row_squares has 1 elements but .* 2"):
+        adam_update(param, grad, m, v, step=1, row_squares=torch.zeros(1), **HYPER)
+    assert torch.equal(param, before)
 
 
 def test_the_gradient_factor_is_the_same_as_scaling_the_gradient_first():

@@ -112,6 +112,41 @@ def test_without_clipping_adam_runs_while_backward_is_still_running():
     assert down[0].start < backward.end
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_without_clipping_the_c_adam_sums_the_norm_and_no_pass_of_its_own_reads_the_gradients(
+    overlap, monkeypatch
+):
+    reference = _engine(
+        _config(2, impl="torch", overlap=overlap)
+    )  # torch's Adam: the norm in a pass of its own
+    engine = _engine(_config(2, overlap=overlap))
+    assert engine._norm_in_adam and not reference._norm_in_adam
+    expected = _train(reference, 3)
+
+    def separate_pass(grad):
+        raise AssertionError("the norm should come from the C Adam's pass, not a pass of its own")
+
+    for module in (
+        "zero_offload.implementation.offload",
+        "zero_offload.principles.zero",
+        "zero_offload.practice.pipeline",
+    ):
+        monkeypatch.setattr(f"{module}.squared_norm", separate_pass)
+    assert _train(engine, 3) == pytest.approx(expected, rel=1e-5)
+    norms = [r["grad_norm"] for r in engine.history]
+    assert norms == pytest.approx([r["grad_norm"] for r in reference.history], rel=1e-5)
+    assert all(n > 0 for n in norms)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"clip": 0.5}, {"ext": {"delayed_param_update": {"enabled": True, "start_step": 1}}}, {"impl": "torch"}],
+    ids=["clipping", "delayed-update", "torch-adam"],
+)
+def test_the_norm_has_a_pass_of_its_own_when_it_is_needed_before_adam_or_adam_is_not_the_c_one(change):
+    assert not _engine(_config(2, overlap=True, **change))._norm_in_adam
+
+
 def test_with_clipping_adam_waits_for_the_global_norm():
     engine = _engine(_config(2, overlap=True, clip=0.5))
     _train(engine, 2)

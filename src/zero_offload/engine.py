@@ -9,6 +9,7 @@ sub-groups in host memory at a time). Overlap arrives with module 5, as another 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -140,6 +141,17 @@ class Engine:
         if isinstance(self.states, OffloadedStates):
             self.states.transfers.timeline = self._timeline
         self._start_module5(config)
+        # Nothing to clip: the norm is only reported, and the C Adam sums it on its way through the gradients
+        # rather than in a pass of its own (serial and pipelined steps alike, so they report the same number).
+        self._norm_in_adam = (
+            self._one_pass
+            and config.gradient_clipping == 0
+            and self._delayed is None  # the delayed update's norm is reported before its Adam runs
+            and type(self.states) is OffloadedStates  # not the NVMe tier
+            and self._split == len(self.states.master_params)  # no units updated on the device
+        )
+        if self._pipeline is not None:
+            self._pipeline.norm_in_adam = self._norm_in_adam
         self.micro_steps = 0  # backward calls so far
         self.global_steps = 0  # optimizer steps taken or skipped
         self.skipped_steps = 0
@@ -311,7 +323,8 @@ class Engine:
     def _update(self, record: dict) -> None:
         states = self.states
         grads = states.fp32_gradients(1.0 / self.scaler.scale)
-        clip_factor = self._clip_factor(grads, record)
+        norms = [] if self._norm_in_adam else None  # each unit's squared norm, summed by the C Adam
+        clip_factor = 1.0 if self._norm_in_adam else self._clip_factor(grads, record)
         start, split = time.perf_counter(), self._split
         if isinstance(states, NVMeStates):  # module 5: the partition comes from files a sub-group at a time
             states.step(self._host_optimizer, grads, clip_factor, one_pass=self._one_pass)
@@ -322,12 +335,16 @@ class Engine:
             self._pipeline.update(clip_factor)
             self._pipeline.wait()
             states.uploaded_units = set(range(states.host_units))
+            if norms is not None:
+                norms += [self._pipeline.squared_norms[i] for i in range(states.host_units)]
         elif self._host_queue is not None:  # serial, on the host's own cores: the device waits meanwhile
-            self._host_queue.submit(self._host_update, grads[:split], clip_factor).wait()
+            self._host_queue.submit(self._host_update, grads[:split], clip_factor, norms).wait()
             self._timeline.add("Adam", start, time.perf_counter())
         else:
-            self._host_update(grads[:split], clip_factor)
+            self._host_update(grads[:split], clip_factor, norms)
             self._timeline.add("Adam", start, time.perf_counter())
+        if norms is not None:
+            record["grad_norm"] = math.sqrt(self.comm.sum(sum(norms)))
         record["adam_seconds"] = (
             self._pipeline.adam_seconds if self._pipeline else time.perf_counter() - start
         )
@@ -336,10 +353,11 @@ class Engine:
                 adam_step(self._device_optimizer, states.master_params[split:], grads[split:], clip_factor)
         states.publish()
 
-    def _host_update(self, grads: list[torch.Tensor], clip_factor: float) -> None:
-        """Module 3's serial Adam over the host's partition (module 4: in one pass with the rounding)."""
+    def _host_update(self, grads: list[torch.Tensor], clip_factor: float, norms: list | None = None) -> None:
+        """Module 3's serial Adam over the host's partition (module 4: in one pass with the rounding; `norms`
+        collects each unit's squared gradient norm from that pass)."""
         if self._one_pass:
-            one_pass_offload_step(self.states, self._host_optimizer, grads, clip_factor)
+            one_pass_offload_step(self.states, self._host_optimizer, grads, clip_factor, norms=norms)
         elif self._host_optimizer is not None:
             adam_step(self._host_optimizer, self.states.master_params[: self._split], grads, clip_factor)
 

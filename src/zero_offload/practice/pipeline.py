@@ -111,6 +111,7 @@ class OffloadPipeline:
         # used: a direct run never uses it), "zero", or "dirty" once something was added into it.
         self.grads = "undefined"
         self.squared_norms: dict[int, float] = {}  # unit -> squared norm of its complete gradient
+        self.norm_in_adam = False  # the C Adam sums the norm in its pass (set by the engine: no clipping)
         self.clip_factor = 1.0
         self._pending: list[Event] = []  # what must finish before the step can go on
         self._alive: list[tuple[torch.Tensor, Event]] = []  # device shards whose copy may still read them
@@ -168,7 +169,9 @@ class OffloadPipeline:
     def _accumulate(self, index: int, staging: torch.Tensor, inv_scale: float) -> None:
         grad = self.states.grad_shards[index]
         grad.add_(staging, alpha=inv_scale)
-        if self.final:  # the gradient is complete: its share of the global norm, here rather than at the step
+        if (
+            self.final and not self.norm_in_adam
+        ):  # complete: its share of the global norm, now, not at the step
             self.squared_norms[index] = squared_norm(grad)
 
     def zero_grad(self) -> None:
@@ -242,9 +245,12 @@ class OffloadPipeline:
         start = time.perf_counter()
         if staged is not None:  # straight from the slot: the gradient is this micro-batch's, loss scale 1
             grad = staged
-            self.squared_norms[index] = squared_norm(grad)
-        if isinstance(optimizer, CPUAdam):  # module 4: Adam and the rounding in one pass
-            one_pass_update(optimizer, master, grad, out, self.clip_factor)
+            if not self.norm_in_adam:
+                self.squared_norms[index] = squared_norm(grad)
+        if isinstance(optimizer, CPUAdam):  # module 4: Adam and the rounding (and the norm) in one pass
+            squares = one_pass_update(optimizer, master, grad, out, self.clip_factor, norm=self.norm_in_adam)
+            if squares is not None:
+                self.squared_norms[index] = squares
         else:
             adam_step(optimizer, [master], [grad], self.clip_factor)
             if out is not None:

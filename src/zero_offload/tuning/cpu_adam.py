@@ -21,6 +21,17 @@ from .build import build
 
 GRAD_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 VARIANTS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
+NORM_ROW = 4096  # elements per row of `row_squares` (ZO_NORM_ROW in csrc/cpu_adam.h)
+
+
+def norm_rows(numel: int) -> int:
+    """How many rows `row_squares` needs for a tensor of `numel` elements."""
+    return -(-numel // NORM_ROW)
+
+
+def squared_norm_of_rows(row_squares: torch.Tensor) -> float:
+    """The squared norm from an update's row sums: added exactly (math.fsum), so in no order that could vary."""
+    return math.fsum(row_squares.tolist())
 
 
 def supported_variants() -> list[str]:
@@ -65,9 +76,15 @@ def adam_update(
     out: torch.Tensor | None = None,
     variant: str = "auto",
     threads: int | None = None,
+    row_squares: torch.Tensor | None = None,
 ) -> None:
-    """One Adam step (the `step`-th, counting from 1) over flat CPU tensors, in one pass; see the module doc."""
+    """One Adam step (the `step`-th, counting from 1) over flat CPU tensors, in one pass; see the module doc.
+
+    `row_squares` (fp32, `norm_rows(n)` elements): filled in the same pass with the sum of (grad x grad_scale)^2
+    over each row of NORM_ROW elements, for the gradient norm (`squared_norm_of_rows`)."""
     _check_all(param, grad, exp_avg, exp_avg_sq, out)
+    if row_squares is not None:
+        _check("row_squares", row_squares, norm_rows(param.numel()), (torch.float32,))
     if step < 1:
         raise ValueError(f"step counts from 1 (the first update), got {step}")
     if variant not in VARIANTS:
@@ -83,6 +100,8 @@ def adam_update(
     args.step_size = lr / (1 - beta1**step) if bias_correction else lr
     args.bias_correction2_sqrt = math.sqrt(1 - beta2**step) if bias_correction else 1.0
     args.grad_scale = grad_scale
+    if row_squares is not None:
+        args.row_squares = ffi.cast("float *", row_squares.data_ptr())
     status = lib.zo_adam_update(args, VARIANTS[variant], threads or default_threads())
     if status == -2:  # a lab 4 stub ran: say which task, as the Python labs do
         raise NotImplementedError(ffi.string(lib.zo_missing_lab()).decode())
@@ -171,26 +190,33 @@ class CPUAdam(torch.optim.Optimizer):
         return loss
 
 
-def one_pass_update(optimizer: CPUAdam, master, grad, out, clip_factor: float) -> None:
+def one_pass_update(
+    optimizer: CPUAdam, master, grad, out, clip_factor: float, *, norm: bool = False
+) -> float | None:
     """One unit of the offloaded step in one pass: Adam on `master` (one of the optimizer's parameters) and, in
-    the same pass, its fp16/bf16 copy written into `out` (None: fp32 training, the master is the copy)."""
+    the same pass, its fp16/bf16 copy written into `out` (None: fp32 training, the master is the copy).
+
+    `norm`: also return the gradient's squared norm (times clip_factor squared), summed on the way."""
     group, state = optimizer.param_groups[0], optimizer.state[master]
     state["step"] += 1
+    rows = torch.empty(norm_rows(master.numel()), dtype=torch.float32) if norm else None
     adam_update(
         master, grad, state["exp_avg"], state["exp_avg_sq"],
         step=int(state["step"]), lr=group["lr"], betas=group["betas"], eps=group["eps"],
         weight_decay=group["weight_decay"], adamw=group["adamw"], bias_correction=group["bias_correction"],
-        grad_scale=clip_factor, out=out, variant=optimizer.variant, threads=optimizer.threads,
+        grad_scale=clip_factor, out=out, variant=optimizer.variant, threads=optimizer.threads, row_squares=rows,
     )  # fmt: skip
+    return squared_norm_of_rows(rows) if norm else None
 
 
 def one_pass_offload_step(
-    states, optimizer: CPUAdam, grads: list[torch.Tensor], clip_factor: float, units=None
+    states, optimizer: CPUAdam, grads: list[torch.Tensor], clip_factor: float, units=None, *, norms=None
 ) -> None:
     """The offloaded step of module 3 in one pass per unit: Adam on the host partition and, in the same pass,
     the weights written into the staging buffers publish() uploads (no separate cast pass).
 
-    `units` (indices) limits it to some units: the NVMe tier steps one sub-group at a time."""
+    `units` (indices) limits it to some units: the NVMe tier steps one sub-group at a time. `norms` (a list):
+    each unit's squared gradient norm is appended to it, summed in the same pass."""
     # The optimizer's parameters are the host's units, which come first (tuning/partial.py).
     masters = optimizer.param_groups[0]["params"]
     if len(grads) != len(masters):
@@ -198,5 +224,9 @@ def one_pass_offload_step(
     for index in range(len(masters)) if units is None else units:
         staging = states.param_staging[index]
         out = None if staging.data_ptr() == masters[index].data_ptr() else staging
-        one_pass_update(optimizer, masters[index], grads[index], out, clip_factor)
+        squares = one_pass_update(
+            optimizer, masters[index], grads[index], out, clip_factor, norm=norms is not None
+        )
+        if norms is not None:
+            norms.append(squares)
     states.weights_rounded = True

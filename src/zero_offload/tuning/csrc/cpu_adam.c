@@ -6,6 +6,7 @@
  *     v = beta2 * v + (1 - beta2) * g * g
  *     w -= (lr / bias_correction1) * m / (sqrt(v) / sqrt(bias_correction2) + eps)
  *     out = w rounded to fp16 or bf16 (nearest even), if an output is given
+ *     row_squares[i / 4096] += (g * grad_scale)^2, if asked: the squared gradient norm without a pass of its own
  * Each element is read once and written once: 4 (w) + 2..4 (g) + 4 (m) + 4 (v) read, 4 + 4 + 4 + 2 written.
  *
  * Variants: a portable scalar loop, and on x86-64 an AVX2 + FMA + F16C loop (8 floats a step) and an AVX-512
@@ -117,6 +118,17 @@ static void adam_scalar(const zo_adam_args *a, int64_t begin, int64_t end) {
     }
 }
 
+/* The squared norm's share of rows [begin, end) of the gradient, as the update reads it: (g * grad_scale)^2
+ * summed in fp32, in order. Every row is summed by one thread in one fixed order, whoever runs it. */
+static float squares_scalar(const zo_adam_args *a, int64_t begin, int64_t end) {
+    float sum = 0.0f;
+    for (int64_t i = begin; i < end; i++) {
+        float g = load_grad(a->grad, a->grad_dtype, i) * a->grad_scale;
+        sum += g * g;
+    }
+    return sum;
+}
+
 /* ------------------------------------------------------------------------------------- AVX2 + FMA */
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -197,6 +209,27 @@ ZO_AVX2 static void adam_avx2(const zo_adam_args *a, int64_t begin, int64_t end)
     /* END LAB 4.3 */
 }
 
+/* Four accumulators of 8 lanes, so that consecutive FMAs do not wait for each other; added up in a fixed order. */
+ZO_AVX2 static float squares_avx2(const zo_adam_args *a, int64_t begin, int64_t end) {
+    const __m256 scale = _mm256_set1_ps(a->grad_scale);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    int64_t i = begin;
+    for (; i + 32 <= end; i += 32) {
+        __m256 g0 = _mm256_mul_ps(load8_grad(a->grad, a->grad_dtype, i), scale);
+        __m256 g1 = _mm256_mul_ps(load8_grad(a->grad, a->grad_dtype, i + 8), scale);
+        __m256 g2 = _mm256_mul_ps(load8_grad(a->grad, a->grad_dtype, i + 16), scale);
+        __m256 g3 = _mm256_mul_ps(load8_grad(a->grad, a->grad_dtype, i + 24), scale);
+        acc0 = _mm256_fmadd_ps(g0, g0, acc0);
+        acc1 = _mm256_fmadd_ps(g1, g1, acc1);
+        acc2 = _mm256_fmadd_ps(g2, g2, acc2);
+        acc3 = _mm256_fmadd_ps(g3, g3, acc3);
+    }
+    float lanes[8], sum = 0.0f;
+    _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+    for (int k = 0; k < 8; k++) sum += lanes[k];
+    return sum + squares_scalar(a, i, end);
+}
+
 /* The same loop on 16 floats. AVX-512F has the fp16 conversions at this width; bf16 is rounded 8 at a time by
  * the AVX2 store (every AVX-512 CPU has AVX2). */
 #define ZO_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
@@ -258,6 +291,7 @@ static int cpu_has_avx2(void) {
 static int cpu_has_avx512(void) { return cpu_has_avx2() && __builtin_cpu_supports("avx512f"); }
 #else
 static void adam_avx2(const zo_adam_args *a, int64_t begin, int64_t end) { adam_scalar(a, begin, end); }
+static float squares_avx2(const zo_adam_args *a, int64_t begin, int64_t end) { return squares_scalar(a, begin, end); }
 static void adam_avx512(const zo_adam_args *a, int64_t begin, int64_t end) { adam_scalar(a, begin, end); }
 static int cpu_has_avx2(void) { return 0; }
 static int cpu_has_avx512(void) { return 0; }
@@ -265,6 +299,7 @@ static int cpu_has_avx512(void) { return 0; }
 
 /* ----------------------------------------------------------------------------------- dispatch, threads */
 typedef void (*zo_kernel)(const zo_adam_args *, int64_t, int64_t);
+typedef float (*zo_squares)(const zo_adam_args *, int64_t, int64_t);
 enum { ZO_MIN_PER_THREAD = 1 << 16 };
 
 int zo_cpu_variants(void) {
@@ -274,25 +309,40 @@ int zo_cpu_variants(void) {
 typedef struct {
     const zo_adam_args *args;
     zo_kernel kernel;
+    zo_squares squares; /* NULL: no row squares wanted */
     int64_t begin, end;
 } zo_chunk;
 
 static void *run_chunk(void *p) {
     zo_chunk *c = (zo_chunk *)p;
-    c->kernel(c->args, c->begin, c->end);
+    const zo_adam_args *a = c->args;
+    if (c->squares == NULL) {
+        c->kernel(a, c->begin, c->end);
+        return NULL;
+    }
+    /* Row by row: its update, then its squares, which find the row's gradient (16 KB of fp32) still in the L1
+     * cache. The other way round the squares would wait for memory alone, with no other stream in flight. */
+    for (int64_t row = c->begin; row < c->end; row += ZO_NORM_ROW) {
+        int64_t end = row + ZO_NORM_ROW < c->end ? row + ZO_NORM_ROW : c->end;
+        c->kernel(a, row, end);
+        a->row_squares[row / ZO_NORM_ROW] = c->squares(a, row, end);
+    }
     return NULL;
 }
 
 /* Split [0, n) over `threads` threads, the calling thread included. */
-static void run_threads(const zo_adam_args *a, zo_kernel kernel, int threads) {
+static void run_threads(const zo_adam_args *a, zo_kernel kernel, zo_squares squares, int threads) {
     if (threads > ZO_MAX_THREADS) threads = ZO_MAX_THREADS;
     /* Starting a thread costs tens of microseconds, as much as updating ~32K elements: small tensors (a bias,
      * a layer norm) run on the calling thread alone, and each thread gets at least ZO_MIN_PER_THREAD. */
     if ((int64_t)threads * ZO_MIN_PER_THREAD > a->n) threads = (int)(a->n / ZO_MIN_PER_THREAD);
-    /* Chunks are whole multiples of 64 elements (256 bytes of fp32): no two threads share a cache line. */
-    int64_t per = ((a->n + threads - 1) / (threads > 0 ? threads : 1) + 63) / 64 * 64;
+    /* Chunks are whole multiples of 64 elements (256 bytes of fp32): no two threads share a cache line. With
+     * row squares, whole rows: each row is then summed by one thread, and the sums do not depend on threads. */
+    int64_t align = squares != NULL ? ZO_NORM_ROW : 64;
+    int64_t per = ((a->n + threads - 1) / (threads > 0 ? threads : 1) + align - 1) / align * align;
     if (threads <= 1 || per >= a->n) {
-        kernel(a, 0, a->n);
+        zo_chunk whole = {a, kernel, squares, 0, a->n};
+        run_chunk(&whole);
         return;
     }
     pthread_t ids[ZO_MAX_THREADS];
@@ -301,7 +351,7 @@ static void run_threads(const zo_adam_args *a, zo_kernel kernel, int threads) {
     int started = 0;
     for (int t = 0; t < threads && (int64_t)t * per < a->n; t++) {
         int64_t end = (int64_t)(t + 1) * per < a->n ? (int64_t)(t + 1) * per : a->n;
-        chunks[t] = (zo_chunk){a, kernel, (int64_t)t * per, end};
+        chunks[t] = (zo_chunk){a, kernel, squares, (int64_t)t * per, end};
         if (t == 0) continue; /* the calling thread takes the first chunk itself */
         running[t] = pthread_create(&ids[t], NULL, run_chunk, &chunks[t]) == 0;
         if (!running[t]) run_chunk(&chunks[t]); /* no thread to be had: do it here, the result is the same */
@@ -317,7 +367,8 @@ int zo_adam_update(const zo_adam_args *a, int variant, int threads) {
     if (variant == ZO_AUTO) variant = cpu_has_avx512() ? ZO_AVX512F : cpu_has_avx2() ? ZO_AVX2_FMA : ZO_SCALAR;
     if (variant < 0 || variant > ZO_AVX512F || !(zo_cpu_variants() & (1 << variant))) return -1;
     zo_kernel kernels[] = {adam_scalar, adam_avx2, adam_avx512};
-    run_threads(a, kernels[variant], threads);
+    zo_squares squares[] = {squares_scalar, squares_avx2, squares_avx2}; /* 8 lanes keep up with memory */
+    run_threads(a, kernels[variant], a->row_squares != NULL ? squares[variant] : NULL, threads);
     return missing_lab ? -2 : 0;
 }
 
@@ -351,6 +402,6 @@ static void floor_16(const zo_adam_args *a, int64_t begin, int64_t end) { /* 16-
 int zo_memory_floor(const zo_adam_args *a, int threads) {
     int narrow = a->grad_dtype != ZO_F32;
     if (narrow != (a->out != NULL) || (a->out != NULL && a->out_dtype == ZO_F32)) return -1;
-    run_threads(a, narrow ? floor_16 : floor_f32, threads);
+    run_threads(a, narrow ? floor_16 : floor_f32, NULL, threads);
     return 0;
 }

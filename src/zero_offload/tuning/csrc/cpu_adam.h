@@ -6,6 +6,7 @@
 enum { ZO_F32 = 0, ZO_F16 = 1, ZO_BF16 = 2 };                    /* gradient and output dtypes */
 enum { ZO_AUTO = -1, ZO_SCALAR = 0, ZO_AVX2_FMA = 1, ZO_AVX512F = 2 }; /* kernel variants */
 enum { ZO_MAX_THREADS = 64 };
+enum { ZO_NORM_ROW = 4096 }; /* elements per row of the squared gradient norm (row_squares) */
 
 typedef struct {
     float *param;          /* fp32 master weights, updated in place */
@@ -21,6 +22,9 @@ typedef struct {
     float bias_correction2_sqrt; /* sqrt(1 - beta2^t) */
     float decay;              /* AdamW: 1 - lr * weight_decay */
     float grad_scale;         /* 1 / loss scale x clip factor */
+    /* NULL, or one float per row of ZO_NORM_ROW elements: the sum of (g * grad_scale)^2 over the row, summed
+     * in the same pass as the update, in fp32 and in a fixed order (so it does not depend on threads). */
+    float *row_squares;
 } zo_adam_args;
 
 int zo_cpu_variants(void);                                      /* bit v set: variant v runs here */
