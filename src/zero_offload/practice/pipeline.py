@@ -169,9 +169,9 @@ class OffloadPipeline:
     def _accumulate(self, index: int, staging: torch.Tensor, inv_scale: float) -> None:
         grad = self.states.grad_shards[index]
         grad.add_(staging, alpha=inv_scale)
-        if (
-            self.final and not self.norm_in_adam
-        ):  # complete: its share of the global norm, now, not at the step
+        # The gradient is complete: its share of the global norm, here rather than at the step (unless the C
+        # Adam sums it on its way through).
+        if self.final and not self.norm_in_adam:
             self.squared_norms[index] = squared_norm(grad)
 
     def zero_grad(self) -> None:

@@ -6,7 +6,7 @@
  *     v = beta2 * v + (1 - beta2) * g * g
  *     w -= (lr / bias_correction1) * m / (sqrt(v) / sqrt(bias_correction2) + eps)
  *     out = w rounded to fp16 or bf16 (nearest even), if an output is given
- *     row_squares[i / 4096] += (g * grad_scale)^2, if asked: the squared gradient norm without a pass of its own
+ *     row_squares[r] = sum of (g * grad_scale)^2 over row r (4096 elements), if asked: the norm without its own pass
  * Each element is read once and written once: 4 (w) + 2..4 (g) + 4 (m) + 4 (v) read, 4 + 4 + 4 + 2 written.
  *
  * Variants: a portable scalar loop, and on x86-64 an AVX2 + FMA + F16C loop (8 floats a step) and an AVX-512
