@@ -20,13 +20,19 @@ def free_port() -> int:
 
 def _entry(rank, fn, world_size, port, out_dir, args, timeout_s):
     torch.set_num_threads(1)  # N ranks share two cores
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    except BaseException as err:  # e.g. the free port was taken by another process before rank 0 bound it
+        torch.save(
+            {"__rendezvous__": f"{type(err).__name__}: {err}"}, os.path.join(out_dir, f"rank{rank}.pt")
+        )
+        return
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -36,9 +42,26 @@ def _entry(rank, fn, world_size, port, out_dir, args, timeout_s):
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0) -> list:
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0, attempts: int = 3) -> list:
     """fn(rank, world_size, *args) on each rank; returns what each returned, an {"__error__": ...} dict for a rank
-    that raised, or {"__exitcode__": code} for one that died. Processes are joined, never left behind."""
+    that raised, or {"__exitcode__": code} for one that died. Processes are joined, never left behind.
+
+    free_port() closes the port it found before rank 0 binds it, so under a parallel test run another process can
+    take it first (EADDRINUSE): then the whole group starts again on a new port, up to `attempts` times."""
+    results = _run_once(fn, world_size, args, timeout_s)
+    for _ in range(attempts - 1):
+        if not any(_is_rendezvous(r) and "EADDRINUSE" in r["__rendezvous__"] for r in results):
+            break
+        results = _run_once(fn, world_size, args, timeout_s)
+    return [{"__error__": r["__rendezvous__"]} if _is_rendezvous(r) else r for r in results]
+
+
+def _is_rendezvous(result) -> bool:
+    """A rank that could not join the group."""
+    return isinstance(result, dict) and "__rendezvous__" in result
+
+
+def _run_once(fn, world_size: int, args: tuple, timeout_s: float) -> list:
     context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
