@@ -462,21 +462,27 @@ class CudaAccelerator(Accelerator):
         torch.cuda.synchronize(self.device)
 
 
-def get_accelerator(device_memory: int | str | None = None) -> Accelerator:
-    """The accelerator for this process: CUDA if present (or `ZO_DEVICE=cuda`), else the emulated device."""
+def wants_cuda() -> bool:
+    """Whether `get_accelerator()` chooses CUDA: `ZO_DEVICE` says so, or it is unset and torch sees a GPU."""
     choice = os.environ.get("ZO_DEVICE", "").strip().lower()
     if choice not in ("", "cuda", "cpu"):
         raise ValueError(f"ZO_DEVICE={choice!r} is not understood; use ZO_DEVICE=cuda or ZO_DEVICE=cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "ZO_DEVICE=cuda but torch sees no CUDA device; unset ZO_DEVICE to use the emulated one"
+        )
+    return choice != "cpu" and torch.cuda.is_available()
+
+
+def get_accelerator(device_memory: int | str | None = None) -> Accelerator:
+    """The accelerator for this process: CUDA if present (or `ZO_DEVICE=cuda`), else the emulated device."""
+    cuda = wants_cuda()
     if device_memory is None and os.environ.get("ZO_DEVICE_MEMORY"):
         try:
             device_memory = parse_bytes(os.environ["ZO_DEVICE_MEMORY"])
         except ValueError as err:
             raise ValueError(f"ZO_DEVICE_MEMORY: {err}") from None
     capacity = None if device_memory is None else parse_bytes(device_memory)
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            "ZO_DEVICE=cuda but torch sees no CUDA device; unset ZO_DEVICE to use the emulated one"
-        )
-    if choice != "cpu" and torch.cuda.is_available():
+    if cuda:
         return CudaAccelerator(capacity)
     return EmulatedAccelerator(capacity)

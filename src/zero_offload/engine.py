@@ -33,7 +33,7 @@ from .practice.dpu import DelayedUpdate
 from .practice.nvme import NVMeStates
 from .practice.pipeline import HostQueue, OffloadPipeline
 from .practice.timeline import Span, Timeline, plot_timeline
-from .principles.comm import Comm
+from .principles.comm import Comm, join_launcher_group
 from .principles.recompute import checkpoint_blocks
 from .principles.zero import ShardedStates
 from .tuning.build import CompilerNotFound
@@ -409,6 +409,28 @@ class Engine:
         self.synchronize()  # an update in flight must not land on top of the loaded states
         load_checkpoint(self, path)
 
+    # -- the full weights outside training (stage 3 holds only shards between forwards) ----------------------------
+    def gathered_parameters(self, params=None, *, modifier_rank: int | None = None):
+        """A context in which `params` (default: every parameter) hold their full weights on every rank.
+
+        Every rank must enter it (at stage 3 it all-gathers). With `modifier_rank=r`, what rank r writes into
+        the weights inside the block becomes every rank's weights and fp32 masters when it ends::
+
+            with engine.gathered_parameters(modifier_rank=0):
+                if rank == 0:
+                    model.lm_head.weight.zero_()
+        """
+        self.synchronize()  # a delayed update in flight would land on top of what is read or written
+        return self.states.gathered(params, modifier_rank=modifier_rank)
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's full state_dict in the training precision, on the CPU, for inference or `save_pretrained`.
+
+        Every rank must call it (at stage 3 each module's weights are gathered in turn)."""
+        self.synchronize()
+        with torch.no_grad():
+            return {name: value.detach().to("cpu", copy=True) for name, value in self.model.state_dict().items()}
+
     # -- reporting -------------------------------------------------------------------------------------------------
     def timeline(self, path=None, *, title: str | None = None) -> list[list[Span]]:
         """The stages of the last steps (up to 16) on every rank, and with `path` their Gantt chart saved there.
@@ -457,6 +479,13 @@ class Engine:
 
 
 def initialize(model: torch.nn.Module, config, *, accelerator: Accelerator | None = None) -> Engine:
-    """Wrap `model` in an engine configured by `config` (a dict, a path to a DeepSpeed-style JSON, or a Config)."""
+    """Wrap `model` in an engine configured by `config` (a dict, a path to a DeepSpeed-style JSON, or a Config).
+
+    Under torchrun, a script that has not joined the process group is joined to it here, with the backend of
+    the accelerator (gloo for the emulated device, NCCL for CUDA); the engine then owns that group."""
+    backend = None if accelerator is None else ("nccl" if accelerator.device.type == "cuda" else "gloo")
+    created_group = join_launcher_group(backend)
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    return Engine(model, load_config(config, world_size=world_size), accelerator=accelerator)
+    engine = Engine(model, load_config(config, world_size=world_size), accelerator=accelerator)
+    engine._owns_process_group = created_group
+    return engine

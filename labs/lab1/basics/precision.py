@@ -13,6 +13,8 @@ skipped (nothing is updated) and S is lowered. bf16 has fp32's exponent range an
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..accelerator import Accelerator
@@ -160,6 +162,22 @@ class MixedPrecisionStates:
             offset += n
         # What the optimizer updates: one flat fp32 tensor and its moments.
         self.master_params, self.exp_avgs, self.exp_avg_sqs = [self.master], [self.exp_avg], [self.exp_avg_sq]
+
+    @contextlib.contextmanager
+    def gathered(self, params=None, *, modifier_rank: int | None = None):
+        """Every rank holds the full weights at stage 0; with `modifier_rank`, that rank's edits inside the block
+        become every rank's weights and fp32 master (`params` is accepted for the same call at every stage)."""
+        yield
+        if modifier_rank is None:
+            return
+        world = 1 if self.comm is None else self.comm.world_size
+        if not 0 <= modifier_rank < world:
+            raise ValueError(f"modifier_rank={modifier_rank} is not a rank of this job of {world}")
+        with torch.no_grad():
+            if world > 1:
+                self.comm.broadcast(self.flat_param, modifier_rank)
+            if self.master is not self.flat_param:
+                self.master.copy_(self.flat_param)
 
     # -- what the engine calls, in order -------------------------------------------------------------------
     def before_forward(self) -> None:

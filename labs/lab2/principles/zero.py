@@ -16,6 +16,7 @@ stage 3 keeps only its shard until the next gather. (Module 1's MixedPrecisionSt
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -26,6 +27,7 @@ from ..basics.precision import LOW_PRECISION, has_overflow
 from ..implementation.buckets import GradientBuckets
 from .comm import Comm
 from .partition import Unit, build_units
+from .stage3_params import ParameterAccess
 
 # ZeRO-3 gathers the embedding's weights in a backward pre-hook; that its input (token ids) needs no gradient
 # is expected, and torch's warning about it would only confuse.
@@ -119,6 +121,8 @@ class ShardedStates:
         self._recorded = {"forward": False, "backward": False}
         self._phase, self._cursor = "forward", -1
         self.buckets = None
+        self.held: set[int] = set()  # units gathered_parameters() keeps gathered
+        self.access = None  # stage 3: stage3_params.ParameterAccess
         if self.partition_gradients:
             self.buckets = GradientBuckets(
                 self.units,
@@ -210,34 +214,25 @@ class ShardedStates:
 
     # -- stage 3: gather before use, release after -------------------------------------------------------------
     def _install_gather_hooks(self, model: torch.nn.Module) -> None:
-        for module in model.modules():
-            indices = sorted(
-                {self._unit_of[id(p)][0] for p in module.parameters(recurse=False) if id(p) in self._unit_of}
-            )
-            if not indices:
-                continue
+        """Gather each module's units before its forward and backward, release them after (stage3_params.py
+        also covers the reads of a parameter outside its own module's forward)."""
+        self.access = ParameterAccess(self, model, self._unit_of)
 
-            def gather(*_, indices=indices):
-                for index in indices:
-                    self.gather(index)
+    @property
+    def in_backward(self) -> bool:
+        return self._phase == "backward"
 
-            def release(*_, indices=indices):
-                for index in indices:
-                    self.release(index)
-
-            module.register_forward_pre_hook(gather)
-            module.register_forward_hook(release, always_call=True)
-            module.register_full_backward_pre_hook(gather)
-
-    def gather(self, index: int) -> None:
-        """Make unit `index`'s full weights present (waiting for its prefetch, if any); prefetch what follows."""
+    def gather(self, index: int, *, prefetch: bool = True) -> None:
+        """Make unit `index`'s full weights present (waiting for its prefetch, if any); prefetch what follows
+        (not outside a pass: reading weights for a state_dict says nothing about the order of the next one)."""
         unit = self.units[index]
         if unit.pending is not None:
             unit.pending.wait()
             unit.pending = None
         elif not unit.gathered:
             self._start_gather(index, async_op=False)
-        self._prefetch_after(index)
+        if prefetch:
+            self._prefetch_after(index)
 
     def _shard_on_device(self, index: int) -> torch.Tensor:
         """This rank's weight shard of unit `index`, where a collective can read it (module 3 offloads it)."""
@@ -280,6 +275,8 @@ class ShardedStates:
                 self.units[nxt].pending = self._start_gather(nxt, async_op=True)
 
     def release(self, index: int) -> None:
+        if index in self.held:  # inside gathered_parameters(): kept until the block ends
+            return
         unit = self.units[index]
         if unit.pending is not None:  # a prefetch still writing into the buffer: let it land first
             unit.pending.wait()
@@ -295,6 +292,7 @@ class ShardedStates:
             for index in range(len(self.units)):
                 self.release(index)  # a prefetch the pass did not use
             self._phase, self._cursor = phase, -1
+            self.access.begin_phase(phase)
 
     # -- stage 2/3: gradients leave in buckets as backward produces them (implementation/buckets.py) ---------
     def _deliver_gradient(self, index: int, shard: torch.Tensor) -> None:
@@ -355,6 +353,33 @@ class ShardedStates:
         # stages 1 and 2, every rank must hold the full weights again: all_gather_unit(...) into
         # self.full_params[index]. At stage 3 the shard is all that is kept (it is gathered when next used).
         raise NotImplementedError("Lab 2.3: publish the updated weights")
+
+    @contextlib.contextmanager
+    def gathered(self, params=None, *, modifier_rank: int | None = None):
+        """Full weights of `params` (default: all) until the block ends; with `modifier_rank`, what that rank
+        wrote into them becomes every rank's weights and fp32 masters. Every rank must enter it."""
+        if self.stage == 3:
+            with self.access.gathered(params, modifier_rank=modifier_rank):
+                yield
+            return
+        yield  # stages 1 and 2 always hold the full weights
+        if modifier_rank is not None:
+            self.adopt_full_weights(range(len(self.units)), modifier_rank)
+
+    @torch.no_grad()
+    def adopt_full_weights(self, indices, source_rank: int) -> None:
+        """The full weights of units `indices` on `source_rank` become everyone's: weight shards and masters."""
+        if not 0 <= source_rank < self.comm.world_size:
+            raise ValueError(
+                f"modifier_rank={source_rank} is not a rank of this job of {self.comm.world_size}"
+            )
+        for index in indices:
+            full, layout = self.full_params[index], self.units[index].layout
+            self.comm.broadcast(full, source_rank)
+            shard = full[layout.start : layout.end]
+            for target in (self.param_shards[index], self.master_params[index]):
+                if target.data_ptr() != shard.data_ptr():
+                    target.copy_(shard)
 
     def zero_grad(self) -> None:
         self.flat_grad.zero_()

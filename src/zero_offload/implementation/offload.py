@@ -293,8 +293,8 @@ class OffloadedStates(ShardedStates):
         super().release(index)
         self._uploads.pop(index, None)
 
-    def gather(self, index: int) -> None:
-        super().gather(index)
+    def gather(self, index: int, *, prefetch: bool = True) -> None:
+        super().gather(index, prefetch=prefetch)
         self._uploads.pop(index, None)
 
     # -- the step ---------------------------------------------------------------------------------------------

@@ -177,6 +177,12 @@ class NVMeStates(OffloadedStates):
         if self.comm.any(error is not None):
             raise error or NVMeError("another rank could not use its NVMe swap files; see that rank's error")
 
+    def adopt_full_weights(self, indices, source_rank: int) -> None:
+        raise NotImplementedError(
+            "gathered_parameters(modifier_rank=...) cannot write into the fp32 masters of the NVMe tier, which "
+            "live in files; edit the weights before zo.initialize, or load them with engine.load_checkpoint"
+        )
+
     def _allocate_optimizer_states(self, shard_numel: int) -> None:
         sizes, _ = self._placement()  # the whole partition: the engine refuses a partial offload to NVMe
         self.groups = sub_groups(sizes, self.sub_group_size)

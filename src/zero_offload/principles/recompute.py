@@ -37,20 +37,39 @@ def checkpoint_blocks(model: torch.nn.Module, accelerator, storage_dtype: torch.
 def _wrap(block: torch.nn.Module, accelerator, storage_dtype: torch.dtype) -> None:
     forward = block.forward
 
-    def run(*args):
-        # In forward (gradients off inside the checkpoint) nothing is saved. In backward the block runs again
-        # with gradients on, and what it saves is real device memory until its backward is done: charge it.
-        charge = (
-            accelerator.activations(storage_dtype) if torch.is_grad_enabled() else contextlib.nullcontext()
-        )
-        with charge:
-            return forward(*args)
-
-    def checkpointed(*args):
+    def checkpointed(*args, **kwargs):
         if not torch.is_grad_enabled():
-            return forward(*args)
+            return forward(*args, **kwargs)
+        names = list(kwargs)  # Hugging Face calls its blocks with keywords (attention_mask=..., ...)
+
+        def run(*flat):
+            # In forward (gradients off inside the checkpoint) nothing is saved. In backward the block runs
+            # again with gradients on, and what it saves is real device memory until its backward is done.
+            charge = (
+                accelerator.activations(storage_dtype)
+                if torch.is_grad_enabled()
+                else contextlib.nullcontext()
+            )
+            with charge:
+                return forward(*flat[: len(args)], **dict(zip(names, flat[len(args) :], strict=True)))
+
+        flat = (*args, *kwargs.values())
+        if any(_nested_tensor_needs_grad(value) for value in flat):
+            # The reentrant variant passes a tensor inside a tuple through as a constant: its gradient would be
+            # lost. The other variant follows it, but keeps the block's inputs outside the saved-tensor hooks.
+            return checkpoint(run, *flat, use_reentrant=False)
         # The reentrant variant saves the block's inputs with save_for_backward, under the engine's
         # saved-tensor hooks: the inputs it keeps are charged to the device like any activation.
-        return checkpoint(run, *args, use_reentrant=True)
+        return checkpoint(run, *flat, use_reentrant=True)
 
     block.forward = checkpointed
+
+
+def _nested_tensor_needs_grad(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(
+            isinstance(v, torch.Tensor) and v.requires_grad or _nested_tensor_needs_grad(v) for v in value
+        )
+    if isinstance(value, dict):
+        return _nested_tensor_needs_grad(list(value.values()))
+    return False
