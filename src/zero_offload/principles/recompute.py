@@ -13,6 +13,7 @@ nn.ModuleList (the repeated blocks) is checkpointed.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -20,6 +21,16 @@ from torch.utils.checkpoint import checkpoint
 
 def checkpoint_blocks(model: torch.nn.Module, accelerator, storage_dtype: torch.dtype) -> int:
     """Wrap each repeated block's forward so that it is recomputed in backward; returns how many were wrapped."""
+    config = getattr(model, "config", None)  # a Hugging Face model's
+    if getattr(config, "use_cache", False):
+        # A block run again in backward would append its keys and values to the cache a second time, and
+        # attend over both copies: the gradients of the key and value projections come out wrong (zero).
+        warnings.warn(
+            "activation_checkpointing: setting the model's config.use_cache to False (a recomputed block "
+            "would fill its key/value cache twice); generation can turn it back on",
+            stacklevel=3,
+        )
+        config.use_cache = False
     wrapped = 0
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList):
