@@ -94,7 +94,9 @@ def train(kind: str, stage, recompute: str | None, *, rank: int = 0, world: int 
 
 def assert_same_weights(got: dict, expected: dict, what) -> None:
     for name, weight in expected.items():
-        torch.testing.assert_close(got[name], weight, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {name}: {m}")
+        torch.testing.assert_close(
+            got[name], weight, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{what} {name}: {m}"
+        )
 
 
 CASES = [(kind, stage, None) for kind in ("gpt2", "llama", "bert") for stage in (0, 2, 3, "3+offload")] + [
@@ -176,7 +178,13 @@ def stage3_gpt2():
 def test_a_plain_op_on_a_partitioned_parameter_is_an_error_that_names_the_api(stage3_gpt2):
     engine, _ = stage3_gpt2
     param = engine.model.transformer.h[0].attn.c_attn.weight
-    for op in (lambda p: p.sum(), lambda p: p.norm(), lambda p: p.clone(), lambda p: p.data.sum(), lambda p: p + 1):
+    for op in (
+        lambda p: p.sum(),
+        lambda p: p.norm(),
+        lambda p: p.clone(),
+        lambda p: p.data.sum(),
+        lambda p: p + 1,
+    ):
         with pytest.raises(PartitionedAccessError, match="gathered_parameters"):
             op(param)
     assert "partitioned by ZeRO stage 3" in repr(param) and "gathered_parameters" in str(param)
