@@ -1,7 +1,7 @@
 """The measurement probes of module 4 (zero_offload.tuning.bandwidth): plain numbers, quickly, on any machine.
 
-Sizes are small so that each probe runs in a fraction of a second; the values are checked for sense, not speed
-(timing assertions belong to the acceptance test in test_perfmodel.py, which compares two measurements).
+Sizes are small so that each probe runs in a fraction of a second; the values are checked for sense (finite,
+positive, consistent with each other), never for speed: `make bench` reports speeds, no test asserts one.
 """
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ HAS_COMPILER = any(shutil.which(cc) for cc in ("cc", "gcc", "clang"))
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
 
 
+def _finite_positive(*values) -> bool:
+    return all(math.isfinite(v) and v > 0 for v in values)
+
+
 def test_median_seconds_runs_the_hook_before_every_timed_call():
     calls = []
     seconds = bandwidth.median_seconds(
@@ -32,7 +36,7 @@ def test_host_copy_bandwidth_is_a_plausible_number():
     before = torch.get_num_threads()
     result = bandwidth.host_copy_bandwidth(8 * 2**20, repeats=3, threads=before + 1)
     assert result.nbytes == 8 * 2**20 and torch.get_num_threads() == before
-    assert 0.1 < result.gb_per_s < 10_000  # GB/s: from a slow laptop to HBM
+    assert _finite_positive(result.gb_per_s)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where CUDA is missing")
@@ -44,8 +48,7 @@ def test_link_bandwidth_without_cuda_says_what_to_use_instead():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_pinned_and_pageable_link_bandwidth_on_cuda():
     link = bandwidth.device_link_bandwidth(16 * 2**20, repeats=3)
-    for value in (link.h2d_pinned, link.h2d_pageable, link.d2h_pinned, link.d2h_pageable):
-        assert 0.1 < value < 2_000
+    assert _finite_positive(link.h2d_pinned, link.h2d_pageable, link.d2h_pinned, link.d2h_pageable)
     assert link.pinned == min(link.h2d_pinned, link.d2h_pinned)
     assert link.pinned_speedup == pytest.approx(link.pinned / link.pageable)
 
@@ -55,14 +58,13 @@ def test_pinned_and_pageable_link_bandwidth_on_cuda():
 def test_cpu_adam_profile_of_the_c_kernel(form):
     profile = bandwidth.cpu_adam_profile(threads=1, form=form, numel=1 << 20, repeats=2)
     assert (profile.impl, profile.form, profile.threads, profile.note) == ("C SIMD", form, 1, "")
-    assert (
-        1e6 < profile.params_per_s < 1e12 and 0 <= profile.call_seconds < 0.01 and profile.step_seconds >= 0
-    )
+    assert _finite_positive(profile.params_per_s) and profile.call_seconds >= 0 and profile.step_seconds >= 0
+    assert math.isfinite(profile.call_seconds) and math.isfinite(profile.step_seconds)
     # the cost model the performance model uses: calls plus parameters at the throughput
     expected = profile.step_seconds + 3 * profile.call_seconds + 5e6 / profile.params_per_s
     assert profile.seconds(5e6, calls=3) == pytest.approx(expected)
     # never faster than the memory floor timed at the same threads allows
-    assert 0.1 < profile.floor_gb_per_s < 10_000
+    assert _finite_positive(profile.floor_gb_per_s)
     assert profile.params_per_s <= profile.floor_gb_per_s * 1e9 / bandwidth.FORM_BYTES[form] * (1 + 1e-9)
 
 
@@ -92,7 +94,7 @@ def test_noise_cannot_make_the_fit_faster_than_the_memory_floor(form):
 
 def test_torch_fused_adam_for_reference():
     profile = bandwidth.cpu_adam_profile(threads=1, numel=1 << 18, repeats=2, impl="torch")
-    assert profile.impl == "torch fused" and profile.form == "fp32" and profile.params_per_s > 1e6
+    assert profile.impl == "torch fused" and profile.form == "fp32" and _finite_positive(profile.params_per_s)
 
 
 def test_without_a_compiler_the_profile_measures_torch_and_says_so(monkeypatch):
@@ -103,7 +105,7 @@ def test_without_a_compiler_the_profile_measures_torch_and_says_so(monkeypatch):
     profile = bandwidth.cpu_adam_profile(threads=1, form="fp16", numel=1 << 18, repeats=2)
     assert profile.impl == "torch fused" and profile.form == "fp32"
     assert "instead of the C kernel" in profile.note and "fp32 gradients only" in profile.note
-    assert profile.params_per_s > 1e6
+    assert _finite_positive(profile.params_per_s)
 
 
 def test_a_probe_restores_torchs_thread_count():
@@ -129,8 +131,26 @@ def test_thread_sweep_covers_every_thread_count_and_form():
         ("C SIMD", "fp16", 2),
         ("torch fused", "fp32", 2),
     ]
-    assert all(p.params_per_s > 0 and math.isfinite(p.params_per_s) for p in profiles)
+    assert all(_finite_positive(p.params_per_s) for p in profiles)
 
 
 def test_matmul_speed_on_the_cpu():
-    assert 1e-5 < bandwidth.matmul_tflops("cpu", size=128, repeats=2) < 1_000
+    assert _finite_positive(bandwidth.matmul_tflops("cpu", size=128, repeats=2))
+
+
+@needs_compiler
+def test_the_cache_profile_of_the_c_kernel():
+    memory = bandwidth.cpu_adam_profile(threads=1, numel=1 << 20, repeats=2)
+    cache = bandwidth.cache_profile(memory, last_level=4 * 2**20, repeats=1)  # probes of 256 KiB to 8 MiB
+    assert [size for size, _ in cache.probes] == [2**18 * 2**k for k in range(6)]
+    assert _finite_positive(cache.cached_params_per_s, *(rate for _, rate in cache.probes))
+    # the cache's speed is the fastest seen, never slower than memory's; it keeps some bytes, or none
+    assert cache.cached_params_per_s == max(memory.params_per_s, *(rate for _, rate in cache.probes))
+    assert cache.cache_bytes == 0 or 0 < cache.cache_bytes <= 2 * 8 * 2**20
+
+
+def test_the_flush_is_larger_than_the_last_level_cache():
+    last_level = bandwidth.cpu_caches().last_level
+    assert 128 * 2**20 <= bandwidth.FLUSH_BYTES <= 2**30
+    if last_level and last_level <= 2**29:
+        assert bandwidth.FLUSH_BYTES >= 2 * last_level

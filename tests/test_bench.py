@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
+from zero_offload import bench, bench_cpu
 from zero_offload.bench import _busy_fraction, wait_until_quiet
 
 
@@ -26,3 +28,35 @@ def test_timing_waits_while_something_else_keeps_the_cores_busy():
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
+
+
+def test_a_bench_section_replaces_its_own_results_and_keeps_the_others(tmp_path, monkeypatch, capsys):
+    (tmp_path / "results.json").write_text(json.dumps({"adam": {"kept": True}}), encoding="utf-8")
+    overhead = {"params": 1e6, "batch": 8, "median_ms": {"plain": 10.0, "offload": 11.0}, "ratio": 1.1}
+    monkeypatch.setattr(bench, "offload_overhead", lambda: overhead)
+    results = bench.run_bench(tmp_path, only=("overhead",))
+    saved = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
+    assert saved == results == {"adam": {"kept": True}, "offload_overhead": overhead}
+    assert "offload / plain" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="bench sections are adam, update"):
+        bench.run_bench(tmp_path, only=("adam", "speed"))
+
+
+def test_the_cpu_sections_report_the_machine_and_never_judge(capsys):
+    machine = bench_cpu.machine()
+    assert machine["cpu"] and "L1d" in machine["caches_text"]
+    assert machine["kernel_variant"] in (None, "scalar", "avx2", "avx512")
+    case = {"params": 4_200_000, "tensors": 16, "state_bytes": 67_000_000, "cached_share": 0.0,
+            "measured_ms": 3.3, "predicted_ms": 2.5, "measured_over_predicted": 1.32, "within_tolerance": False}  # fmt: skip
+    bench_cpu.print_model_vs_engine({"machine": machine, "calibration": "calibrated: ...", "rounds": 5,
+                                     "cases": {"4.2M params in 16 tensors": case}})  # fmt: skip
+    out = capsys.readouterr().out
+    assert "CPU: " in out and "caches: L1d" in out and "1.32  no" in out
+    ms = {
+        "ours avx2 x2": {"quiet": 10.0, "after a torch op": 12.5},
+        "torch fused": {"quiet": 10.0, "after a torch op": 10.0},
+    }
+    bench_cpu.print_after_torch_op({"numel": 1000, "threads": 2, "rounds": 7, "median_ms": ms, "spin_ms": 6.0,
+                                    "ours_vs_fused": {"quiet": 1.0, "after a torch op": 0.8}, "machine": machine})  # fmt: skip
+    out = capsys.readouterr().out
+    assert "1.00x" in out and "0.80x" in out and "burnt 6.0 ms" in out

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import time
 from pathlib import Path
 
 import jupytext
@@ -12,7 +11,9 @@ import nbformat
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SMOKE_LIMIT_S = 120
+# A cell that runs longer than this in smoke mode hangs: nbclient stops it with an error that names the cell.
+# How long a notebook takes is not asserted (a busy machine is slow, not wrong).
+SMOKE_CELL_TIMEOUT_S = 120
 
 # tools/ is not a package: load the runner by its path, so the test and `make lessons` share one implementation.
 _spec = importlib.util.spec_from_file_location("zo_run_lessons", REPO / "tools" / "run_lessons.py")
@@ -32,13 +33,8 @@ def test_notebook_is_built_from_its_source(source):
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
 def test_notebook_runs_in_smoke_mode(source, tmp_path):
     notebook = jupytext.read(source)
-    start = time.monotonic()
     try:
-        run_lessons.execute(notebook, smoke=True, timeout=SMOKE_LIMIT_S)
+        run_lessons.execute(notebook, smoke=True, timeout=SMOKE_CELL_TIMEOUT_S)
     finally:
         # Kept in pytest's own temporary directory, to read the outputs of a failed run.
         nbformat.write(notebook, tmp_path / f"{source.stem}.ipynb")
-    elapsed = time.monotonic() - start
-    assert elapsed < SMOKE_LIMIT_S, (
-        f"{source.stem} took {elapsed:.0f} s in smoke mode (limit {SMOKE_LIMIT_S} s)"
-    )

@@ -176,8 +176,11 @@ def test_two_nodes_on_loopback_match_one_process(tmp_path, no_plots):
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the rank to kill through /proc")
 def test_a_killed_rank_ends_the_job_with_an_error_that_says_how_to_resume(tmp_path, no_plots):
+    # A rank that missed the loss would sit in its collective until --timeout: rank 0 must be gone well before.
+    # The deadline is a hang guard, not a speed: seeing the lost rank takes seconds, the timeout minutes.
+    timeout = 240
     config, out, port = _config(tmp_path), tmp_path / "out", free_port()
-    args = _args(config, out, 100_000, "--save-every", "2", "--timeout", "60")
+    args = _args(config, out, 100_000, "--save-every", "2", "--timeout", str(timeout))
     logs = [tmp_path / f"node{node}.log" for node in (0, 1)]
     nodes = [_torchrun_node(node, port, args, logs[node]) for node in (0, 1)]
     try:
@@ -190,15 +193,16 @@ def test_a_killed_rank_ends_the_job_with_an_error_that_says_how_to_resume(tmp_pa
         agent = nodes[1].pid
         (rank1,) = Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
         os.kill(int(rank1), signal.SIGKILL)
-        killed = time.monotonic()
-        nodes[0].wait(timeout=120)
-        stopped_after = time.monotonic() - killed
+        try:
+            nodes[0].wait(timeout=timeout / 2)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"rank 0 still runs {timeout / 2:.0f} s after rank 1 was killed: it waits in a collective "
+                        f"for the --timeout of {timeout} s instead of seeing that a rank was lost")  # fmt: skip
         nodes[1].wait(timeout=120)
     finally:
         _end(nodes)
     log = logs[0].read_text()
     assert nodes[0].returncode != 0 and nodes[1].returncode != 0
-    assert stopped_after < 30, f"rank 0 took {stopped_after:.0f} s to stop"  # not --timeout, let alone 30 min
     assert re.search(
         r"error: a rank was lost during step \d+: rank 0 could not complete a collective", log
     ), log[-3000:]

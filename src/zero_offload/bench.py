@@ -13,6 +13,7 @@ from tqdm import tqdm
 from . import initialize
 from .accelerator import EmulatedAccelerator
 from .basics.adam import Adam
+from .cli import BENCH_SECTIONS as SECTIONS
 from .plots import plot_bars
 from .tuning.bandwidth import median_seconds
 from .tuning.build import CompilerNotFound
@@ -178,21 +179,8 @@ def offload_overhead(model: str = "10m", batch: int = 8, steps: int = 8) -> dict
     return {"model": model, "params": cfg.num_params(), "batch": batch, "median_ms": ms, "ratio": ratio}
 
 
-def run_bench(
-    out_dir: str | Path = "out/bench", *, numel: int = 16_700_000, rounds: int = 7, threads: int = 2
-):
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    adam = adam_implementations(numel, rounds, threads)
-    _print_adam(adam)
-    plot_bars(
-        {name: BYTES_PER_PARAM * numel / ms / 1e6 for name, ms in adam["median_ms"].items()},
-        out / "adam_step.png",
-        title=f"Adam step, {numel / 1e6:.1f}M fp32 params, {threads} threads: memory traffic",
-        ylabel="GB/s (28 bytes a parameter)",
-        line=("memory floor", BYTES_PER_PARAM * numel / adam["floor_ms"] / 1e6) if adam["floor_ms"] else None,
-    )
-    update = offload_update(numel, rounds, threads)
+def _print_update(update: dict) -> None:
+    numel = update["numel"]
     print(f"\nOffloaded update over {numel:,} parameters (fp16 gradients in, scale, Adam, fp16 weights out)")
     baseline = update["median_ms"]["torch: upcast, scale, fused Adam, downcast"]
     for name, ms in update["median_ms"].items():
@@ -201,17 +189,65 @@ def run_bench(
         ours = update["median_ms"]["ours, one pass"]
         print(f"{'memory floor (28 bytes a parameter)':<44}{update['floor_ms']:>8.1f} ms   one pass at "
               f"{update['floor_ms'] / ours:.0%} of it; {baseline / ours:.2f}x the torch pipeline (target >= 2.0x)")  # fmt: skip
-    overhead = offload_overhead()
+
+
+def _print_overhead(overhead: dict) -> None:
     print(
         f"\nTraining step, {overhead['params'] / 1e6:.1f}M-parameter GPT, batch {overhead['batch']}, fp32, 1 rank"
     )
     for name, ms in overhead["median_ms"].items():
         print(f"{name:<40}{ms:>10.0f} ms")
     print(f"{'offload / plain':<40}{overhead['ratio']:>10.3f}x   (target <= 1.10x; DeepSpeed measured 1.20x)")
-    results = {"adam": adam, "offload_update": update, "offload_overhead": overhead,
-               **module5_bench(out)}  # fmt: skip
-    (out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
-    print(f"\nresults: {out / 'results.json'}, plot: {out / 'adam_step.png'}")
+
+
+def run_bench(
+    out_dir: str | Path = "out/bench",
+    *,
+    numel: int = 16_700_000,
+    rounds: int = 7,
+    threads: int = 2,
+    only: tuple[str, ...] = SECTIONS,
+):
+    """Every section of `make bench` (SECTIONS, in that order), or the `only` ones: a run of some sections
+    replaces their results in results.json and keeps those of the others from earlier runs."""
+    from .bench_cpu import after_torch_op, model_vs_engine, print_after_torch_op, print_model_vs_engine
+
+    if set(only) - set(SECTIONS):
+        raise ValueError(f"bench sections are {', '.join(SECTIONS)}; got {', '.join(only)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    partial = set(only) != set(SECTIONS)
+    results = json.loads(path.read_text(encoding="utf-8")) if partial and path.exists() else {}
+    if "adam" in only:
+        adam = results["adam"] = adam_implementations(numel, rounds, threads)
+        _print_adam(adam)
+        floor = BYTES_PER_PARAM * numel / adam["floor_ms"] / 1e6 if adam["floor_ms"] else None
+        plot_bars(
+            {name: BYTES_PER_PARAM * numel / ms / 1e6 for name, ms in adam["median_ms"].items()},
+            out / "adam_step.png",
+            title=f"Adam step, {numel / 1e6:.1f}M fp32 params, {threads} threads: memory traffic",
+            ylabel="GB/s (28 bytes a parameter)",
+            line=("memory floor", floor) if floor else None,
+        )
+    if "update" in only:
+        results["offload_update"] = offload_update(numel, rounds, threads)
+        _print_update(results["offload_update"])
+    if "overhead" in only:
+        results["offload_overhead"] = offload_overhead()
+        _print_overhead(results["offload_overhead"])
+    if "model" in only:
+        waited = wait_until_quiet()  # the model is calibrated in one moment and checked in the next
+        results["model_vs_engine"] = {**model_vs_engine(), "waited_for_quiet_s": waited}
+        print_model_vs_engine(results["model_vs_engine"])
+    if "torch-op" in only:
+        waited = wait_until_quiet()  # "quiet" means this process's own threads only
+        results["after_torch_op"] = {**after_torch_op(numel, rounds, threads), "waited_for_quiet_s": waited}
+        print_after_torch_op(results["after_torch_op"])
+    if "module5" in only:
+        results.update(module5_bench(out))
+    path.write_text(json.dumps(results, indent=2), encoding="utf-8")
+    print(f"\nresults: {path}" + (f", plot: {out / 'adam_step.png'}" if "adam" in only else ""))
     return results
 
 

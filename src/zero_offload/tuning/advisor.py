@@ -220,6 +220,10 @@ def recommend(hw: Hardware, wl: Workload) -> Recommendation:
 def describe(hw: Hardware, wl: Workload) -> str:
     hidden, layers = wl.shape()
     recompute = ", activation checkpointing" if wl.recompute else ""
+    cached = ""
+    if hw.cpu_adam_cache_bytes and hw.cpu_adam_cached_params_per_s:
+        cached = (f"; {hw.cpu_adam_cached_params_per_s / 1e9:.3g} on states still in the cache, which keeps "
+                  f"{hw.cpu_adam_cache_bytes / 2**20:.0f} MiB of them between steps")  # fmt: skip
     return (
         f"{wl.params / 1e9:.3g}B parameters ({layers} layers x hidden {hidden}), {wl.precision}, batch "
         f"{wl.batch} x {wl.seq_len} tokens per GPU{recompute}\n"
@@ -228,7 +232,7 @@ def describe(hw: Hardware, wl: Workload) -> str:
         f"device-host link ({hw.link_kind}) {hw.link_gb_per_s:.3g} GB/s\n"
         f"CPU Adam: {hw.cpu_adam_params_per_s / 1e9:.3g} Gparam/s the host, shared by its ranks; "
         f"{hw.cpu_adam_thread_params_per_s / 1e9:.3g} a thread; a rank with {hw.cpu_adam_threads} thread(s) "
-        f"reaches {hw.cpu_adam_rank_params_per_s() / 1e9:.3g}"
+        f"reaches {hw.cpu_adam_rank_params_per_s() / 1e9:.3g}{cached}"
     )
 
 

@@ -8,6 +8,8 @@ Four numbers decide how fast ZeRO-Offload trains ("GPU computes, CPU stores, PCI
   cpu_adam_profile()       how many parameters a second our C Adam updates, what each call costs, and the
                            memory floor at the same threads (its bytes, no arithmetic: the CPU Adam is
                            bound by memory, and the floor bounds its throughput and measures the bandwidth);
+  cache_profile()          how much faster it runs when its states stay in the last-level cache, and how
+                           many bytes of states the cache keeps from one step to the next;
   matmul_tflops()          how fast the device multiplies matrices (the compute of forward and backward).
 
 Each probe returns plain numbers (a small dataclass) and takes a second or less at its default size, less at
@@ -26,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from .build import CompilerNotFound, build
-from .cpu_adam import adam_update, default_threads, memory_floor
+from .cpu_adam import CPUAdam, default_threads, memory_floor, one_pass_update
+from .cpuinfo import cpu_caches
 
 # Gradient dtype in, weight dtype out (None: none written) of the CPU Adam forms the engine runs.
 ADAM_FORMS = {
@@ -39,11 +42,15 @@ ENGINE_FORM = {"fp32": "fp32", "fp16": "mixed", "bf16": "mixed"}
 # Bytes of memory traffic a parameter of each form: w, g, m, v read, w, m, v written, and the 16-bit output.
 FORM_BYTES = {"fp32": 28, "fp16": 28, "mixed": 30}
 FLOOR_BYTES = 28  # what tuning.cpu_adam.memory_floor moves a parameter (fp32 gradients, or 16-bit in and out)
-# The CPU step follows backward, which has pushed the optimizer states out of the caches. A probe that
-# updates the same buffer again and again would find them cached and overstate the speed of small models,
-# so before each timed update we read a buffer larger than any last-level cache. Read, not write: written
-# lines would still be waiting in the cache, and writing them back would slow the timed update instead.
-FLUSH_BYTES = 128 * 2**20
+# Bytes of the states one parameter's update touches (w, g, m, v and the 16-bit output): what must stay in the
+# cache from one step to the next for the step to run at the cache's speed.
+STATE_BYTES = {"fp32": 16, "fp16": 16, "mixed": 18}
+# The cold passes of cpu_adam_profile measure the speed of states that come from memory, so before each one we
+# read a buffer twice the last-level cache (at least 128 MiB where the OS does not say; at most 1 GiB): a fixed
+# 128 MiB left most of a 64 MiB probe in a 480 MiB cache, and the "memory" speed was the cache's. Read, not
+# write: written lines would still be waiting in the cache, and writing them back would slow the timed update.
+_LAST_LEVEL = cpu_caches().last_level
+FLUSH_BYTES = min(max(128 * 2**20, 2 * (_LAST_LEVEL or 0)), 2**30)
 
 
 def median_seconds(
@@ -62,11 +69,9 @@ def median_seconds(
     return statistics.median(times)
 
 
-@functools.cache  # filling 128 MB takes longer than a small probe: calibrate() runs several probes
+@functools.cache  # filling FLUSH_BYTES takes longer than a small probe: calibrate() runs several probes
 def _cache_flusher() -> Callable[[], object]:
-    buffer = torch.ones(
-        FLUSH_BYTES // 4
-    )  # written, so that its pages are real ones, not the shared zero page
+    buffer = torch.ones(FLUSH_BYTES // 4)  # written: its pages are real ones, not the shared zero page
     return lambda: buffer.sum()
 
 
@@ -199,18 +204,19 @@ def _adam_buffers(total: int, form: str) -> list[torch.Tensor]:
 def _c_adam_pass(flat: list[torch.Tensor], pieces: int, numel: int, threads: int) -> Callable[[], None]:
     """One Adam step over `pieces` tensors of `numel` elements each: views of flat buffers, as the engine's.
 
-    Per tensor it does what an optimizer does around the kernel: look up the tensor's state and count its
-    step in a 0-dim tensor (torch.optim's convention); that bookkeeping is part of the cost of a call.
+    Each tensor goes through the call the engine makes for each of its units (cpu_adam.one_pass_update): the
+    optimizer's bookkeeping around the kernel, and the squared gradient norm summed in the same pass, which
+    the engine does whenever it does not clip (it reports the norm). Timing the bare kernel instead left out
+    10-20% of the engine's step on the course's machine: the norm, and the bookkeeping of the many small units.
     """
     views = [[buffer[i * numel : (i + 1) * numel] for buffer in flat] for i in range(pieces)]
-    state = {view[0]: {"step": torch.zeros(())} for view in views}
+    optimizer = CPUAdam([view[0] for view in views], lr=1e-3, adamw=False, threads=threads)
+    for param, _, exp_avg, exp_avg_sq, *_ in views:
+        optimizer.state[param] = {"step": torch.zeros(()), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
     def run():
-        for param, grad, exp_avg, exp_avg_sq, *out in views:
-            counter = state[param]
-            counter["step"] += 1
-            adam_update(param, grad, exp_avg, exp_avg_sq, step=int(counter["step"]), lr=1e-3,
-                        out=out[0] if out else None, threads=threads)  # fmt: skip
+        for param, grad, _, _, *out in views:
+            one_pass_update(optimizer, param, grad, out[0] if out else None, 1.0, norm=True)
 
     return run
 
@@ -321,6 +327,66 @@ def cpu_adam_profile(
     )
     floor_gb_per_s = FLOOR_BYTES * elements / floor / 1e9 if floor else None
     return AdamProfile(name, form, threads, params_per_s, call, step, note, floor_gb_per_s)
+
+
+@dataclass(frozen=True)
+class CacheProfile:
+    """The CPU Adam's speed when it updates the same states step after step, by how many bytes they take."""
+
+    cached_params_per_s: float  # states that stay in the cache: the fastest probe's
+    cache_bytes: int  # bytes of states the cache keeps from one step to the next (see cache_profile)
+    probes: tuple[tuple[int, float], ...]  # (bytes of states, parameters a second)
+
+
+def cache_profile(memory: AdamProfile, last_level: int, repeats: int = 5) -> CacheProfile:
+    """Repeat the engine's pass over the same states, with nothing in between, at sizes from a sixteenth of
+    the last-level cache (`last_level` bytes) to twice it, doubling, at the threads and form of `memory` (a
+    cold profile); at most 512 MiB of states.
+
+    While the states fit, each pass finds them in the cache and runs faster; once they are too large, each
+    pass evicts the lines the next one needs and runs at memory's speed, as the largest probe does. Where
+    between the two it turns is measured here, not read from the cache's size: a virtual machine is told its
+    socket's whole cache and shares it with its neighbours, and other programs take their part. The
+    performance model takes the share of the states still cached to fall linearly, from all of them for tiny
+    states to none at `cache_bytes`; the time a parameter is then halfway between the two speeds at half of
+    cache_bytes, so cache_bytes is twice the size at which the probes cross halfway.
+    """
+    per_param, threads, form = STATE_BYTES[memory.form], memory.threads, memory.form
+    # One call's own cost, on a tensor too small to take any time: taken off each probe's single call.
+    call = median_seconds(_c_adam_pass(_adam_buffers(64, form), 1, 64, threads), 4 * repeats)
+    sizes = sorted({min(last_level // 16 * 2**k, 2**29) // per_param // 64 * 64 for k in range(6)})
+    runs = {numel: _c_adam_pass(_adam_buffers(numel, form), 1, numel, threads) for numel in sizes if numel}
+    times = {numel: [] for numel in runs}
+    for _ in range(repeats):  # rounds over every size, so that a burst of noise hits all alike
+        for numel, run in runs.items():
+            # Bring the states in (and the other probes' out). One pass is not enough: on the course's machine
+            # a pass over 8 MiB of states got faster for three passes or more, as the cache came to keep them.
+            for _ in range(3):
+                run()
+            started = time.perf_counter()
+            run()
+            times[numel].append(time.perf_counter() - started)
+    probes = [(n * per_param, n / max(statistics.median(t) - call, 1e-9)) for n, t in times.items()]
+    # The cache's speed is the fastest probe's (the smallest states pay the most for what is left of a call).
+    cached = max(memory.params_per_s, *(rate for _, rate in probes))
+    return CacheProfile(cached, cache_bytes_from_probes(probes, cached), tuple(probes))
+
+
+def cache_bytes_from_probes(probes: list[tuple[int, float]], cached: float) -> int:
+    """Twice the bytes of states (probes: (bytes, parameters a second), smallest first) at which the time a
+    parameter crosses halfway from the `cached` speed to the largest probe's, memory's: interpolated between
+    the first probe past halfway beyond the fastest one and the probe before it; 0 where the fastest is no
+    faster than halfway (the cache keeps none). Searching from the fastest probe, not the smallest: the
+    smallest states can run slower than the next ones, as what is left of a call weighs more on them."""
+    seconds = [(size, 1 / rate) for size, rate in probes]
+    halfway = (1 / cached + seconds[-1][1]) / 2
+    fastest = min(range(len(seconds)), key=lambda i: seconds[i][1])
+    # The last probe is at or past halfway: the search always ends.
+    past = next(i for i in range(fastest, len(seconds)) if seconds[i][1] >= halfway)
+    if past == fastest:
+        return 0
+    (size0, t0), (size1, t1) = seconds[past - 1], seconds[past]
+    return round(2 * (size0 + (halfway - t0) / (t1 - t0) * (size1 - size0)))
 
 
 def cpu_adam_sweep(

@@ -40,6 +40,11 @@ def supported_variants() -> list[str]:
     return [name for name, bit in VARIANTS.items() if bit >= 0 and mask & (1 << bit)]
 
 
+def dispatched_variant() -> str:
+    """The variant "auto" runs on this CPU: the widest it supports, as zo_adam_update chooses."""
+    return supported_variants()[-1]
+
+
 def default_threads() -> int:
     """Threads for the C kernel: ZO_CPU_ADAM_THREADS, else the cores torch is allowed to use."""
     return int(os.environ.get("ZO_CPU_ADAM_THREADS", 0)) or torch.get_num_threads()

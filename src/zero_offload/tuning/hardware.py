@@ -10,6 +10,11 @@ host share its memory channels. Two numbers describe it:
 A rank whose CPU Adam runs T threads updates min(T x one thread, host / ranks) parameters a second: threads
 add throughput until the rank has its share of the memory bandwidth, and nothing after. The thread count to
 recommend is that saturation point, never more than the cores per rank.
+
+Both are for states that come from memory, as a model worth offloading has them. Small states stay in the
+last-level cache from one step to the next and update faster: calibrate() also measures that speed
+(cpu_adam_cached_params_per_s) and how many bytes of states the cache keeps (cpu_adam_cache_bytes), and the
+performance model mixes the two speeds by the share of a step's states that is still cached.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from ..units import parse_bytes
 from . import bandwidth as probe
 from .cpu_adam import default_threads
+from .cpuinfo import cpu_caches
 
 ADAM_BYTES_PER_PARAM = 28  # one fused pass: read w, g, m, v (16 bytes), write w, m, v (12 bytes)
 GiB = 2**30
@@ -47,6 +53,8 @@ class Hardware:
     cpu_adam_threads: int  # threads each rank's CPU Adam runs with
     cpu_adam_call_seconds: float = 30e-6  # Python and argument checks of one call (one per tensor)
     cpu_adam_step_seconds: float = 0.0  # once a step: first touches of memory whose caches were emptied
+    cpu_adam_cached_params_per_s: float | None = None  # one rank, its states still in the cache (calibrate)
+    cpu_adam_cache_bytes: int = 0  # states (all ranks') the cache keeps between steps; 0: none or unknown
     pageable_link_gb_per_s: float | None = None  # measured by calibrate() on a CUDA host
     link_kind: str = "PCIe"  # what link_gb_per_s is: "host memcpy" for the emulated device
     mfu: float = 0.4  # model FLOPs utilization: the share of peak a training step reaches (30-50% is usual)
@@ -139,14 +147,15 @@ def calibrate(
 
     Always the CPU Adam, in the form the engine runs for `precision`, at 1, 2, 4, ... up to `threads` threads
     (default: as many as the engine uses), which is what each rank then runs with: one thread's throughput,
-    the best of the sweep as the host's, and the call and step costs at `threads`; and the host's memory
-    bandwidth (the memory floor's traffic, the best of the sweep). With `base` (a preset), that is all it
-    replaces, plus the measured PCIe link (pinned and pageable) where CUDA is present: the preset keeps its
-    capacities (GPUs, GPU and host memory, cores) and its GPUs' speeds. Without `base` it describes this whole
-    machine ("this-cpu"): its memory and cores too, and with CUDA its GPUs; without CUDA the device is the
-    emulated one: its memory is ZO_DEVICE_MEMORY (else all RAM), its "link" is a host memory copy, its "HBM"
-    is host memory, and it computes in fp32 on the CPU. A GPU-to-GPU link is never measured (without `base`,
-    assumed no faster than the device-host link).
+    the best of the sweep as the host's, and the call and step costs at `threads`; at `threads` too, its speed
+    on states that stay in the last-level cache and how many bytes of them the cache keeps
+    (bandwidth.cache_profile); and the host's memory bandwidth (the memory floor's traffic, the best of the
+    sweep). With `base` (a preset), that is all it replaces, plus the measured PCIe link (pinned and pageable)
+    where CUDA is present: the preset keeps its capacities (GPUs, GPU and host memory, cores) and its GPUs'
+    speeds. Without `base` it describes this whole machine ("this-cpu"): its memory and cores too, and with
+    CUDA its GPUs; without CUDA the device is the emulated one: its memory is ZO_DEVICE_MEMORY (else all RAM),
+    its "link" is a host memory copy, its "HBM" is host memory, and it computes in fp32 on the CPU. A
+    GPU-to-GPU link is never measured (without `base`, assumed no faster than the device-host link).
     """
     threads = threads or default_threads()
     form = probe.ENGINE_FORM[precision]
@@ -155,6 +164,9 @@ def calibrate(
         for t in sweep_threads(threads)
     ]
     own = profiles[-1]  # the rank's own thread count
+    last_level = cpu_caches().last_level
+    # States that stay in the cache: at the rank's threads, with the C kernel, where the OS gives the cache's size.
+    cache = probe.cache_profile(own, last_level, repeats) if own.impl == "C SIMD" and last_level else None
     floors = [p.floor_gb_per_s for p in profiles if p.floor_gb_per_s]
     # Without the C kernel there is no floor to time: a multi-threaded fp32 copy reads and writes each byte.
     memory = (
@@ -167,13 +179,19 @@ def calibrate(
         cpu_adam_threads=threads,
         cpu_adam_call_seconds=own.call_seconds,
         cpu_adam_step_seconds=own.step_seconds,
+        cpu_adam_cached_params_per_s=cache.cached_params_per_s if cache else None,
+        cpu_adam_cache_bytes=cache.cache_bytes if cache else 0,
     )
     if torch.cuda.is_available():
         link = probe.device_link_bandwidth(repeats=repeats)
         measured.update(link_gb_per_s=link.pinned, pageable_link_gb_per_s=link.pageable, link_kind="PCIe")
     sweep = ", ".join(f"{p.threads}: {p.params_per_s / 1e6:.0f}" for p in profiles)
     notes = f"calibrated: {own.impl} Adam, {own.form} form, Mparam/s by threads {sweep}"
-    notes += f"; memory {memory:.3g} GB/s" + (f"; {own.note}" if own.note else "")
+    notes += f"; memory {memory:.3g} GB/s"
+    if cache:
+        notes += (f"; cached {cache.cached_params_per_s / 1e6:.0f} Mparam/s, the cache keeps "
+                  f"{cache.cache_bytes / 2**20:.0f} MiB of states ({cpu_caches().describe()})")  # fmt: skip
+    notes += f"; {own.note}" if own.note else ""
     if base is not None:
         return replace(base, name=f"{base.name}+calibrated", notes=notes, **measured)
     host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -10,9 +10,12 @@ For a model of P parameters on a host with N GPUs (one rank each, shard = P / N)
              all-reduce); stage 3 gathers the weights twice (forward and backward): 3 (N-1)/N.
   PCIe       offload_optimizer: the rank's fp16 gradients down and fp16 weights up, 2 + 2 bytes a parameter
              of its shard; offload_param: the weights go up for every gather (2 + 2) and never come back.
-  CPU Adam   step_seconds + calls * call_seconds + params_on_host / the rank's throughput: its threads' own
-             speed, at most its share of the host's (hardware.py; a start-up cost once a step, one per
-             tensor, then the elements).
+  CPU Adam   step_seconds + calls * call_seconds + params_on_host * seconds a parameter (a start-up cost
+             once a step, one per tensor, then the elements). A parameter whose states come from memory
+             takes 1 / the rank's throughput: its threads' own speed, at most its share of the host's
+             (hardware.py). One whose states are still in the last-level cache from the step before takes
+             1 / the cached speed; the share of them still cached falls linearly from all (tiny states) to
+             none (the host's states as large as the cache_bytes calibrate() measured).
 
 `serial` adds them up (this engine up to module 4). `overlapped` is the busiest resource alone: every copy,
 collective and, with module 5's delayed parameter update, the CPU step hidden behind compute. Real steps
@@ -26,13 +29,14 @@ import math
 from dataclasses import dataclass
 
 from ..basics.memory import ModelStateBytes, estimate_model_states
+from .bandwidth import ENGINE_FORM, STATE_BYTES
 from .hardware import ADAM_BYTES_PER_PARAM, PRESET_NAMES, PRESETS, Hardware, calibrate, hardware_preset
 from .partial import estimate_partial_offload
 
 # The hardware's names are re-exported: `from zero_offload.tuning.perfmodel import PRESETS, calibrate` works.
 __all__ = ["ADAM_BYTES_PER_PARAM", "DEVICE_RESERVE", "HOST_RESERVE", "LOW_BYTES", "OFFLOADS", "PRESETS",
-           "PRESET_NAMES", "Hardware", "Plan", "StepTime", "Workload", "calibrate", "cpu_adam_seconds",
-           "hardware_preset", "plan", "plan_all"]  # fmt: skip
+           "PRESET_NAMES", "Hardware", "Plan", "StepTime", "Workload", "cached_share", "calibrate",
+           "cpu_adam_seconds", "hardware_preset", "plan", "plan_all"]  # fmt: skip
 
 LOW_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 OFFLOADS = ("none", "optimizer", "optimizer+param")
@@ -137,11 +141,25 @@ class Plan:
         return text + (f" (ratio {self.ratio:g})" if 0 < self.ratio < 1 else "")
 
 
-def cpu_adam_seconds(hw: Hardware, params_on_host: float, calls: int) -> float:
-    """One rank's CPU step: its start, its calls, and its parameters at the rank's throughput (its threads',
-    at most its share of the host's)."""
-    elements = params_on_host / hw.cpu_adam_rank_params_per_s()
-    return hw.cpu_adam_step_seconds + calls * hw.cpu_adam_call_seconds + elements
+def cached_share(hw: Hardware, state_bytes: float) -> float:
+    """The share of a CPU step's states still in the last-level cache from the step before, when the host's
+    ranks update `state_bytes` of them in all: 1 when they are tiny, 0 once they reach the cache_bytes that
+    calibrate() measured (presets have none: a model worth offloading fits in no CPU's cache), and linear in
+    between, as the lines a step needs are evicted more often the less room is left."""
+    if not hw.cpu_adam_cache_bytes or not hw.cpu_adam_cached_params_per_s:
+        return 0.0
+    return min(1.0, max(0.0, 1 - state_bytes / hw.cpu_adam_cache_bytes))
+
+
+def cpu_adam_seconds(hw: Hardware, params_on_host: float, calls: int, precision: str = "fp32") -> float:
+    """One rank's CPU step: its start, its calls, and its parameters, at the cached speed for the share of
+    their states still in the cache and at the rank's throughput from memory for the rest."""
+    state_bytes = hw.gpus * params_on_host * STATE_BYTES[ENGINE_FORM[precision]]  # every rank's on this host
+    share = cached_share(hw, state_bytes)
+    per_param = (1 - share) / hw.cpu_adam_rank_params_per_s()
+    if share:
+        per_param += share / hw.cpu_adam_cached_params_per_s
+    return hw.cpu_adam_step_seconds + calls * hw.cpu_adam_call_seconds + params_on_host * per_param
 
 
 def _model_states(hw: Hardware, wl: Workload, stage: int, offload: str, ratio: float) -> ModelStateBytes:
@@ -185,12 +203,13 @@ def plan(hw: Hardware, wl: Workload, stage: int, offload: str = "none", ratio: f
     flops = (8 if wl.recompute else 6) * wl.params * wl.batch * wl.seq_len
     on_gpu = (1 - ratio) * (shard if stage >= 1 else wl.params)
     collectives = (3 if stage == 3 else 2) * (n - 1) / n * low * wl.params
+    calls = math.ceil(ratio * wl.tensor_calls)  # the CPU Adam's: one per tensor it updates
     time = StepTime(
         compute=flops / (hw.gpu_tflops * 1e12 * hw.mfu),
         gpu_adam=on_gpu * ADAM_BYTES_PER_PARAM / (hw.gpu_memory_gb_per_s * 1e9),
         comm=collectives / (hw.gpu_link_gb_per_s * 1e9) if n > 1 else 0.0,
         pcie=(down + up) / (hw.link_gb_per_s * 1e9),
-        cpu_adam=cpu_adam_seconds(hw, on_host, math.ceil(ratio * wl.tensor_calls)) if ratio > 0 else 0.0,
+        cpu_adam=cpu_adam_seconds(hw, on_host, calls, wl.precision) if ratio > 0 else 0.0,
     )
     activations = wl.activation_bytes()
     return Plan(
