@@ -106,3 +106,16 @@ def test_no_launcher_means_one_process_and_a_bad_world_size_is_named(monkeypatch
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(ValueError, match="WORLD_SIZE='two'"):
         join_launcher_group()
+
+
+@pytest.mark.slow
+def test_a_bad_config_under_torchrun_fails_on_every_rank_with_its_message_and_a_clean_exit(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text(
+        "import torch, zero_offload as zo\n"
+        "zo.initialize(torch.nn.Linear(2, 2), {'train_micro_batch_size_per_gpu': 1, 'zero_optimisation': {}})\n"
+    )
+    run = _run(script, tmp_path / "unused.pt", 2)
+    assert run.returncode != 0
+    assert run.stderr.count("zero_optimisation") >= 2, run.stderr[-3000:]  # both ranks name the key
+    assert "terminate called" not in run.stderr and "SIGABRT" not in run.stderr, run.stderr[-3000:]

@@ -365,6 +365,9 @@ class _BlockingCopyStream:
     def submit(self, fn, *args, **kwargs):
         return self.stream.submit(fn, *args, **kwargs)
 
+    def close(self):
+        self.stream.close()
+
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_copy_streams_that_block_on_host_events_as_cuda_does_still_give_the_serial_weights(precision):

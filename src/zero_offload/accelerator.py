@@ -121,6 +121,10 @@ class _WorkerStream:
     def synchronize(self) -> None:
         self.submit(lambda: None).wait()
 
+    def close(self) -> None:
+        """Run what is queued, then stop the worker thread; the stream takes no more work."""
+        self._pool.shutdown(wait=True)
+
 
 class _CudaStream:
     """A CUDA stream: `submit` enqueues the kernels of `fn` on it and records an event after them."""
@@ -147,6 +151,10 @@ class _CudaStream:
         return Event(cuda_event=cuda_event)
 
     def synchronize(self) -> None:
+        self._stream.synchronize()
+
+    def close(self) -> None:
+        """Wait for what is queued; a CUDA stream has no thread of its own to stop."""
         self._stream.synchronize()
 
 

@@ -9,10 +9,12 @@ sub-groups in host memory at a time). Overlap arrives with module 5, as another 
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import time
 import warnings
+import weakref
 
 import torch
 
@@ -79,11 +81,26 @@ def _simd_optimizer(config: Config, params: list, kwargs: dict):
         return None
 
 
+# Engines not closed yet. At exit they are closed, so that a script which never calls engine.close() still ends
+# cleanly (no thread of the engine's running, the group it joined destroyed) while the interpreter is whole.
+_open_engines: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    for engine in list(_open_engines):
+        engine.close()
+
+
 class Engine:
     """Trains `model` as the config says. Use it as `loss_fn(engine(x), y)`, `engine.backward(loss)`, `engine.step()`."""
 
     def __init__(self, model: torch.nn.Module, config: Config, *, accelerator: Accelerator | None = None):
         check_supported(config)
+        self._closed = False
+        self._owns_process_group = (
+            False  # zo.initialize joined the group for this engine: close() destroys it
+        )
         self.config = config
         self.accelerator = accelerator or get_accelerator(config.zero_offload.device_memory)
         self.model = model
@@ -157,6 +174,7 @@ class Engine:
         self.skipped_steps = 0
         # One entry per optimizer step: loss scale, overflow, gradient norm, learning rate, Adam's seconds.
         self.history: list[dict] = []
+        _open_engines.add(self)
 
     def _start_module5(self, config: Config) -> None:
         """Module 5: the cores each side runs on, the overlapped pipeline and the delayed update."""
@@ -242,6 +260,8 @@ class Engine:
         return value
 
     def __call__(self, *args, **kwargs):
+        if self._closed:
+            raise RuntimeError("this engine was closed (engine.close()); make a new one with zo.initialize")
         args, kwargs = self._to_device(args), self._to_device(kwargs)
         self.states.before_forward()
         with self.accelerator.activations(self.states.dtype), self._timeline.span("forward"):
@@ -394,6 +414,37 @@ class Engine:
     def zero_grad(self) -> None:
         self.states.zero_grad()
 
+    def close(self) -> None:
+        """Finish the work in flight, stop the engine's threads and, if zo.initialize joined the process group
+        for this script, destroy it (a group the script made is left alone). Idempotent; at exit, an engine
+        still open is closed this way.
+
+        No collective starts here, so a rank can close while another has failed. An update the delayed update
+        still has in flight is finished but not published: call synchronize() first to see it in the model."""
+        if self._closed:
+            return
+        self._closed = True
+        _open_engines.discard(self)
+        try:
+            if self.config.zero_optimization.stage == 3:
+                for index in range(len(self.states.units)):
+                    self.states.release(index)  # waits for a prefetch still in flight
+        finally:
+            streams = [self._host_queue]
+            if self._pipeline is not None:
+                streams += [self._pipeline.copy, self._pipeline.upload]
+            for stream in streams:
+                if stream is not None:
+                    stream.close()  # after running what is queued
+            if isinstance(self.states, NVMeStates):
+                self.states.close()
+            if self._owns_process_group and torch.distributed.is_initialized():
+                heir = next(iter(_open_engines), None)  # another engine still trains on the same group
+                if heir is not None:
+                    heir._owns_process_group = True
+                else:
+                    torch.distributed.destroy_process_group()
+
     # -- checkpoints (implementation/checkpoint.py) ------------------------------------------------------------------
     def save_checkpoint(self, path) -> None:
         """Every rank writes its shard of the model states, with what it takes to resume, into directory `path`."""
@@ -429,7 +480,9 @@ class Engine:
         Every rank must call it (at stage 3 each module's weights are gathered in turn)."""
         self.synchronize()
         with torch.no_grad():
-            return {name: value.detach().to("cpu", copy=True) for name, value in self.model.state_dict().items()}
+            return {
+                name: value.detach().to("cpu", copy=True) for name, value in self.model.state_dict().items()
+            }
 
     # -- reporting -------------------------------------------------------------------------------------------------
     def timeline(self, path=None, *, title: str | None = None) -> list[list[Span]]:
@@ -486,6 +539,11 @@ def initialize(model: torch.nn.Module, config, *, accelerator: Accelerator | Non
     backend = None if accelerator is None else ("nccl" if accelerator.device.type == "cuda" else "gloo")
     created_group = join_launcher_group(backend)
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    engine = Engine(model, load_config(config, world_size=world_size), accelerator=accelerator)
+    try:
+        engine = Engine(model, load_config(config, world_size=world_size), accelerator=accelerator)
+    except BaseException:
+        if created_group:  # nobody else will use the group this call made: leave no gloo threads behind
+            torch.distributed.destroy_process_group()
+        raise
     engine._owns_process_group = created_group
     return engine

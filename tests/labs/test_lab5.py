@@ -151,6 +151,9 @@ class _Slow:
 
         return self.stream.submit(late)
 
+    def close(self):
+        self.stream.close()
+
 
 # ---------------------------------------------------------------------------------------------------- Lab 5.1
 @pytest.mark.task("5.1")

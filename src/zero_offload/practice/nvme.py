@@ -172,6 +172,11 @@ class NVMeStates(OffloadedStates):
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="zo-nvme-write")
         super().__init__(model, accel, precision, stage, comm, zero, **kwargs)
 
+    def close(self) -> None:
+        """Finish the reads and writes in flight and stop their threads (engine.close())."""
+        self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+
     def _agree(self, error: Exception | None) -> None:
         """Raise on every rank if any rank failed, so that no rank waits in a collective for one that left."""
         if self.comm.any(error is not None):

@@ -141,6 +141,7 @@ def train(config_path: str, *, model: str = "tiny", steps: int = 100, out: str =
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun's SIGTERM must not cut the message
                 raise RankLostError(_lost_message(err, run, Path(out))) from err
             raise
+    run.engine.close()
     if distributed:
         dist.destroy_process_group()
     return summary

@@ -36,15 +36,23 @@ class Comm:
         )
         self.elements: Counter[str] = Counter()  # collective name -> elements moved (per rank)
         self.timeline = None  # module 5's practice.timeline.Timeline, when the engine keeps one
+        # gloo's worker threads let go of a finished collective's tensors a moment late (see _Released).
+        self._settle = self.distributed and dist.get_backend(group) == "gloo" and _CAN_COUNT_USES
 
-    def _run(self, name: str, numel: int, op, async_op: bool, stage: str | None = None):
-        """Run collective `op`, count its elements and, when a timeline is kept, record it as `stage`."""
+    def _run(self, name: str, numel: int, op, async_op: bool, stage: str | None = None, tensors=()):
+        """Run collective `op` on `tensors`, count its elements and, when a timeline is kept, record it as
+        `stage`. On gloo it is complete only once gloo holds none of `tensors` any more."""
         self.elements[name] += numel
         start = time.perf_counter()
+        held = [(t, t._use_count()) for t in tensors] if self._settle else []
         try:
             work = op(async_op)
         except RuntimeError as err:
             raise CommunicationError(f"{name} of {numel} elements failed on rank {self.rank}: {err}") from err
+        if held and work is None:
+            _until_released(held)
+        elif held:
+            work = _Released(work, held)
         if self.timeline is None or stage is None:  # control messages are too small to draw
             return work
         return self.timeline.until_done(stage, start, work)
@@ -67,6 +75,7 @@ class Comm:
             lambda a: dist.reduce_scatter_single(out, full, group=self.group, async_op=a),
             async_op,
             "reduce",
+            (out, full),
         )
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False):
@@ -84,6 +93,7 @@ class Comm:
             lambda a: dist.all_gather_single(full, shard, group=self.group, async_op=a),
             async_op,
             "all-gather",
+            (full, shard),
         )
 
     def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False):
@@ -96,6 +106,7 @@ class Comm:
             lambda a: dist.all_reduce(tensor, group=self.group, async_op=a),
             async_op,
             "reduce",
+            (tensor,),
         )
 
     def broadcast(self, tensor: torch.Tensor, source_rank: int) -> None:
@@ -107,6 +118,7 @@ class Comm:
             tensor.numel(),
             lambda a: dist.broadcast(tensor, source_rank, group=self.group, async_op=a),
             False,
+            tensors=(tensor,),
         )
 
     def sum(self, value: float) -> float:
@@ -114,7 +126,13 @@ class Comm:
         if self.world_size == 1:
             return value
         tensor = torch.tensor([value], dtype=torch.float64, device=self.control_device)
-        self._run("control", 1, lambda a: dist.all_reduce(tensor, group=self.group, async_op=a), False)
+        self._run(
+            "control",
+            1,
+            lambda a: dist.all_reduce(tensor, group=self.group, async_op=a),
+            False,
+            tensors=(tensor,),
+        )
         return float(tensor)
 
     def any(self, flag: bool) -> bool:
@@ -127,6 +145,7 @@ class Comm:
             1,
             lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=a),
             False,
+            tensors=(tensor,),
         )
         return bool(tensor.item() > 0)
 
@@ -148,6 +167,48 @@ class Comm:
 
     def reset_counts(self) -> None:
         self.elements.clear()
+
+
+# A tensor's C++ reference count, which counts gloo's hold on it (private API: without it, nothing is awaited).
+_CAN_COUNT_USES = hasattr(torch.Tensor, "_use_count")
+_RELEASE_LIMIT_S = 1.0
+
+
+class _Released:
+    """A gloo collective's handle whose wait() returns once gloo has let go of the collective's tensors.
+
+    A gloo worker thread drops its reference to a collective a moment after waking whoever waits for it. If the
+    last Python reference to one of the tensors is gone by then, the worker frees the tensor's Python object
+    itself, and that takes the GIL. A thread that asks for the GIL after the interpreter has begun to shut down
+    is ended by CPython with pthread_exit, which cannot unwind through the C++ destructor it is in: std::terminate,
+    "terminate called without an active exception" and SIGABRT, after the script's last line had run. Once every
+    tensor's reference count is back where it was before the collective, the tensors die on the caller's thread.
+    """
+
+    def __init__(self, work, held: list):
+        self.work, self.held = work, held
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None  # the handle's own reference to gloo's work, and through it to the tensors
+            _until_released(self.held)
+            self.held = []
+        return True
+
+
+def _until_released(held: list) -> None:
+    """Wait until gloo holds none of the tensors in `held` ((tensor, reference count before the collective)).
+    Usually it is so already; if something else keeps a tensor, give up after a second rather than hang."""
+    deadline = None
+    while any(tensor._use_count() > count for tensor, count in held):
+        deadline = deadline or time.monotonic() + _RELEASE_LIMIT_S
+        if time.monotonic() > deadline:
+            return
+        time.sleep(50e-6)  # the worker needs a core, not the GIL: the tensors' Python objects are alive
 
 
 def _check_writable(tensor: torch.Tensor, what: str) -> None:
@@ -186,6 +247,12 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
             _gloo_on_loopback()
         else:
             _choose_gpu()
+        # torch.distributed.nn.functional puts the default group into its functions' default arguments when it
+        # is imported, which building any torch.optim optimizer does (through torch._dynamo). Imported after
+        # the group exists, it keeps the group alive past destroy_process_group(), and with it gloo's worker
+        # threads to the end of the process; imported first, it binds None.
+        import torch.distributed.nn.functional  # noqa: F401
+
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return Comm()
 
