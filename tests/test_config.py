@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import pickle
 import warnings
 
@@ -661,3 +662,32 @@ def test_loading_does_not_modify_the_input():
     config = copy.deepcopy(ZERO2_OFFLOAD)
     load_config(config, world_size=4)
     assert config == ZERO2_OFFLOAD
+
+
+ADAM = with_(BASE, "optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})
+WARMUP = with_(ADAM, "scheduler", {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}})
+
+
+@pytest.mark.parametrize(
+    "config, path",
+    [
+        (with_(ADAM, "optimizer.params.lr", math.inf), "optimizer.params.lr"),
+        (with_(ADAM, "optimizer.params.eps", math.inf), "optimizer.params.eps"),
+        (with_(ADAM, "optimizer.params.weight_decay", -math.inf), "optimizer.params.weight_decay"),
+        (with_(WARMUP, "scheduler.params.warmup_max_lr", math.inf), "scheduler.params.warmup_max_lr"),
+        (with_(BASE, "fp16", {"enabled": True, "loss_scale": math.inf}), "fp16.loss_scale"),
+        (with_(BASE, "gradient_clipping", math.nan), "gradient_clipping"),
+    ],
+    ids=["lr", "eps", "weight_decay", "warmup_max_lr", "loss_scale", "clipping-nan"],
+)
+def test_infinite_or_nan_numbers_are_refused_naming_the_key(config, path):
+    with pytest.raises(ConfigError, match="finite number") as info:
+        load_config(config)
+    assert info.value.path == path
+
+
+def test_infinity_written_in_a_json_file_is_refused(tmp_path):
+    file = tmp_path / "ds.json"
+    file.write_text('{"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": Infinity}}}')
+    with pytest.raises(ConfigError, match="optimizer.params.lr must be a finite number"):
+        load_config(file)

@@ -32,6 +32,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -271,6 +272,9 @@ def _convert(path: str, value, kind):
         list: isinstance(value, (list, tuple)),
         _SIZE: number and (isinstance(value, int) or value.is_integer()),
     }[kind]
+    if accepted and number and not math.isfinite(value):
+        # JSON readers accept Infinity and NaN; a learning rate or an eps of either poisons every weight.
+        raise ConfigError(path, f"{path} must be a finite number, got {_describe(value)}")
     if accepted:
         return float(value) if kind is float else int(value) if kind is _SIZE else value
     hint = ""
