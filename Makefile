@@ -57,8 +57,8 @@ bench: $(STAMP)
 	$(VENV)/bin/zo bench
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests tools
-	$(VENV)/bin/ruff format --check src tests tools
+	$(VENV)/bin/ruff check src tests tools examples
+	$(VENV)/bin/ruff format --check src tests tools examples
 
 gpu-check: $(STAMP)
 	$(PY) tools/gpu_check.py

@@ -389,6 +389,16 @@ BAD = [
         "zero_offload.delayed_param_update.start_step",
         ">= 0",
     ),
+    *[
+        (
+            f"max-skipped-{value!r}",
+            with_(BASE, "zero_offload.max_skipped_steps", value),
+            1,
+            "zero_offload.max_skipped_steps",
+            fix,
+        )
+        for value, fix in ((0, ">= 1"), (-3, ">= 1"), (2.5, "integer"), ("20", "integer"), (True, "integer"))
+    ],
     ("top-not-dict", [BASE], 1, "", "JSON object"),
     ("world-size", BASE, 0, "world_size", ">= 1"),
 ]
@@ -464,6 +474,7 @@ def test_defaults():
     assert not cfg.activation_checkpointing.enabled
     assert cfg.zero_offload.device_memory is None and cfg.zero_offload.cpu_adam.impl == "simd"
     assert cfg.zero_offload.seed == 1234 and cfg.zero_offload.delayed_param_update.start_step == 10
+    assert cfg.zero_offload.max_skipped_steps == 20
     assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print == 10
 
 

@@ -255,3 +255,28 @@ def test_gathered_parameters_reads_full_weights_and_adopts_one_ranks_edit_everyw
     torch.testing.assert_close(ranks[0]["final"], ranks[1]["final"])
     assert not torch.allclose(ranks[0]["final"], torch.full_like(expected, 0.25))  # the step moved from 0.25
     assert (ranks[0]["final"] - 0.25).abs().max() < 0.02  # ... by about lr, not back to the old weights
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_torch_transformer_encoder_in_low_precision_trains_out_proj_on_the_emulated_device(precision):
+    # The emulated device computes in fp32 by upcasting each module's weights as it runs; out_proj is read by
+    # MultiheadAttention without running, so its weights are upcast with the attention's own.
+    x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(1))
+    results = {}
+    for stage in (0, 3):
+        model = _encoder()
+        before = model[1].layers[0].self_attn.out_proj.weight.detach().clone()
+        config = {"train_batch_size": 4, precision: {"enabled": True}, "zero_optimization": ZERO[stage],
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-3}}}  # fmt: skip
+        engine = zo.initialize(model, config, accelerator=EmulatedAccelerator())
+        losses = []
+        for _ in range(3):
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        after = model.state_dict()["1.layers.0.self_attn.out_proj.weight"].float()
+        assert not torch.allclose(after, before), stage  # trained, not left behind
+        results[stage] = losses, {k: v.float() for k, v in model.state_dict().items()}
+    assert results[3][0] == results[0][0]
+    assert_same_weights(results[3][1], results[0][1], precision)

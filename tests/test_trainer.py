@@ -219,3 +219,40 @@ def test_a_killed_rank_ends_the_job_with_an_error_that_says_how_to_resume(tmp_pa
     resumed, straight = _summary(out), _summary(tmp_path / "straight")
     assert resumed["resumed_at"] == saved
     assert resumed["losses"] == pytest.approx(straight["losses"], rel=1e-5)
+
+
+def _nan_loss_from(monkeypatch, steps) -> None:
+    """The trainer's loss is nan at the given steps (1-based; one micro-batch a step, no evaluation)."""
+    from zero_offload.practice import trainer
+
+    calls = iter(range(1, 10_000))
+    real = trainer.lm_loss
+    monkeypatch.setattr(
+        trainer, "lm_loss", lambda *a: real(*a) * (float("nan") if next(calls) in steps else 1)
+    )
+
+
+def test_a_nan_step_is_skipped_and_counted_in_the_summary(tmp_path, capsys, monkeypatch, no_plots):
+    _nan_loss_from(monkeypatch, {3})
+    out = tmp_path / "out"
+    with pytest.warns(RuntimeWarning, match=r"step 3 skipped \(non-finite loss\)"):
+        assert _train(_config(tmp_path, CONFIGS["stage0"]), out, 5) == 0
+    assert _summary(out)["skipped_steps"] == 1
+    assert "1 step(s) skipped (inf/nan)" in capsys.readouterr().out
+
+
+def test_nan_steps_in_a_row_stop_zo_train_naming_the_step_and_the_checkpoint(
+    tmp_path, capsys, monkeypatch, no_plots
+):
+    _nan_loss_from(monkeypatch, set(range(3, 100)))
+    config = _config(
+        tmp_path, {**OFFLOAD, "zero_offload": {"cpu_adam": {"impl": "torch"}, "max_skipped_steps": 2}}
+    )
+    out = tmp_path / "out"
+    with pytest.warns(RuntimeWarning, match="1 in a row, training stops at 2"):
+        assert _train(config, out, 8, "--save-every", "2") == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: training diverged: step 4 is the 2nd step in a row"
+    )
+    assert f"The last checkpoint is {out / 'checkpoints' / 'step_2'} (step 2)" in errors[0]

@@ -133,6 +133,7 @@ def _check_config(args) -> int:
 
 def _train(args) -> int:
     from .config import ConfigError
+    from .divergence import TrainingDivergedError
     from .implementation.checkpoint import CheckpointError
     from .practice.trainer import RankLostError, train
 
@@ -143,7 +144,7 @@ def _train(args) -> int:
     except (ConfigError, CheckpointError, NotImplementedError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except RankLostError as err:  # not the user's input: the job failed, and says how to resume
+    except (RankLostError, TrainingDivergedError) as err:  # not the user's input: says how to resume
         print(f"error: {err}", file=sys.stderr)
         return 1
     return 0

@@ -17,6 +17,7 @@ Our own settings live under one top-level key, so a DeepSpeed config stays a Dee
         "staging_slots": 4,                 # its host staging buffers per direction (default 2: double-buffered)
         "delayed_param_update": {"enabled": true, "start_step": 10},
         "cores": {"device": [0], "host": [1]},  # pin the device's compute and the host's Adam apart
+        "max_skipped_steps": 20,            # stop after this many steps in a row skipped for inf/nan
         "seed": 1234
     }
 
@@ -181,6 +182,9 @@ class ExtensionConfig:
     delayed_param_update: DelayedParamUpdateConfig = DelayedParamUpdateConfig()
     cores: CoresConfig = CoresConfig()
     seed: int = 1234
+    # Skipped steps in a row (non-finite loss or gradient norm; fp16 overflow once the scale is at its floor)
+    # after which the run stops with TrainingDivergedError (divergence.py) rather than train on nothing.
+    max_skipped_steps: int = 20
 
 
 @dataclass(frozen=True)
@@ -654,6 +658,7 @@ def _extension(s: _Section) -> ExtensionConfig:
         ),
         overlap_offload=s.get("overlap_offload", bool, False),
         staging_slots=s.get("staging_slots", int, 2, **_AT_LEAST_1),
+        max_skipped_steps=s.get("max_skipped_steps", int, 20, **_AT_LEAST_1),
         delayed_param_update=DelayedParamUpdateConfig(
             enabled=delayed.get("enabled", bool, False),
             start_step=delayed.get("start_step", int, 10, **_NON_NEGATIVE),

@@ -1,7 +1,8 @@
 """The engine: composes the pieces of the five modules into `forward`, `backward`, `step`.
 
-It keeps the training loop's logic (loss scaling, accumulation, overflow skips, clipping, the Adam step, the
-learning-rate schedule) and hands the model states to one object that decides where they live: module 1's
+It keeps the training loop's logic (loss scaling, accumulation, skipping steps with an inf or nan in any
+precision and stopping a run that keeps skipping (divergence.py), clipping, the Adam step, the learning-rate
+schedule) and hands the model states to one object that decides where they live: module 1's
 `MixedPrecisionStates` (stage 0), module 2's `ShardedStates` (stages 1-3, all on the device) or module 3's
 `OffloadedStates` (the fp32 optimizer half on the host) or module 5's `NVMeStates` (that half in files, a few
 sub-groups in host memory at a time). Overlap arrives with module 5, as another piece.
@@ -29,6 +30,7 @@ from .basics.precision import (
 )
 from .combinations import check_supported
 from .config import Config, load_config
+from .divergence import SkipGuard
 from .implementation.offload import OffloadedStates, adam_step
 from .implementation.schedulers import build_scheduler
 from .practice.dpu import DelayedUpdate
@@ -172,6 +174,9 @@ class Engine:
         self.micro_steps = 0  # backward calls so far
         self.global_steps = 0  # optimizer steps taken or skipped
         self.skipped_steps = 0
+        # Counts the skips in a row nothing cures and stops the run at zero_offload.max_skipped_steps.
+        self.skip_guard = SkipGuard(config.zero_offload.max_skipped_steps, fp16=config.fp16.enabled)
+        self._window_skip: str | None = None  # why this accumulation window's step will be skipped
         # One entry per optimizer step: loss scale, overflow, gradient norm, learning rate, Adam's seconds.
         self.history: list[dict] = []
         _open_engines.add(self)
@@ -230,17 +235,23 @@ class Engine:
         accel = self.accelerator
 
         def upcast(module, args):
-            module._zo_stored = {}
-            for name, param in module._parameters.items():
-                if param is not None and param.dtype != torch.float32:
-                    compute = param.to(torch.float32)
-                    accel.mark_compute_copy(compute, param)
-                    module._zo_stored[name] = param
-                    module._parameters[name] = compute
+            module._zo_stored = []  # (owner, name, stored parameter)
+            # nn.MultiheadAttention reads out_proj's weights without calling out_proj: upcast them here too.
+            owners = (
+                [module, module.out_proj] if isinstance(module, torch.nn.MultiheadAttention) else [module]
+            )
+            for owner in owners:
+                for name, param in owner._parameters.items():
+                    if param is not None and param.dtype != torch.float32:
+                        compute = param.to(torch.float32)
+                        accel.mark_compute_copy(compute, param)
+                        module._zo_stored.append((owner, name, param))
+                        owner._parameters[name] = compute
 
         def restore(module, args, output):
-            module._parameters.update(getattr(module, "_zo_stored", {}))
-            module._zo_stored = {}
+            for owner, name, param in getattr(module, "_zo_stored", ()):
+                owner._parameters[name] = param
+            module._zo_stored = []
 
         for module in self.model.modules():
             if any(p is not None for p in module._parameters.values()):
@@ -296,11 +307,26 @@ class Engine:
                 and self._pipeline.upload.waits_without_blocking
             )
             self._pipeline.direct = self._one_pass and self.gradient_accumulation_steps == 1
-        self.states.before_backward()
-        with self._timeline.span("backward"):
-            (loss.float() * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
+        skip = self._nonfinite_loss(loss)
+        self.states.before_backward()  # and after_backward: stage 3 releases what forward gathered
+        if not skip:
+            with self._timeline.span("backward"):
+                (loss.float() * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
         self.states.after_backward()
         self.micro_steps += 1
+
+    def _nonfinite_loss(self, loss: torch.Tensor) -> bool:
+        """bf16/fp32: whether this window's step is to be skipped for a non-finite loss on any rank. Its backward
+        is skipped on every rank then (the collectives inside backward pair up), and so are the rest of the
+        window's, so that no gradient, and no Adam the pipeline runs during backward, ever sees the inf or nan.
+
+        fp16 is left to its overflow check after backward: there an inf loss is the scale's doing, and the
+        skip is what lowers the scale. The check is one scalar (and a one-element collective) per micro-batch."""
+        if self.config.fp16.enabled:
+            return False
+        if self._window_skip is None and self.comm.any(not bool(torch.isfinite(loss.detach()))):
+            self._window_skip = "non-finite loss"
+        return self._window_skip is not None
 
     def step(self) -> None:
         """At an accumulation boundary: reduce, check overflow, unscale, clip, update, publish; else nothing."""
@@ -308,43 +334,61 @@ class Engine:
             return
         states, scaler = self.states, self.scaler
         states.reduce_gradients()
-        overflow = self.config.fp16.enabled and states.overflow()  # true on every rank if true on any
+        skip, self._window_skip = self._window_skip, None
+        if self.config.fp16.enabled and states.overflow():  # true on every rank if true on any
+            skip = "fp16 overflow"
         record = {
             "step": self.global_steps,
             "loss_scale": scaler.scale,
-            "overflow": overflow,
+            "overflow": skip is not None,
+            "skipped": skip,  # why the step was skipped: fp16 overflow, non-finite loss or gradient norm
             "grad_norm": None,
             "lr": self.optimizer.param_groups[0]["lr"],
             "adam_seconds": 0.0,
         }
+        # A skipped update is skipped whole: master weights, moments and the schedule are not touched.
         if self._delayed is not None and self._delayed.active(self.global_steps):
-            self._delayed_step(record, overflow)
-        elif overflow:
-            # The update is skipped whole: master weights, moments and the schedule are not touched.
-            self.skipped_steps += 1
-        else:
-            self._update(record)
-            if self.lr_scheduler is not None:
+            skip = self._delayed_step(record, skip)
+        elif skip is None:
+            skip = self._update(record)
+            if skip is None and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
+        if skip is not None:
+            record.update(overflow=True, skipped=skip)
+            self.skipped_steps += 1
         if self._pipeline is not None:
             self._pipeline.new_step()
-        scaler.update(overflow)
+        diverged = self.skip_guard.after_step(self.global_steps + 1, skip, scaler)  # before the scale moves
+        scaler.update(skip is not None)
         states.zero_grad()
         self.global_steps += 1
         self._timeline.step = self.global_steps
         self.history.append(record)
+        if diverged is not None:
+            raise diverged
 
-    def _clip_factor(self, grads: list[torch.Tensor], record: dict) -> float:
+    def _clip_factor(self, grads: list[torch.Tensor], record: dict) -> float | None:
+        """The factor that clips the gradients to gradient_clipping; None if their norm is not finite (the
+        same on every rank: the norm is reduced), and then the step must be skipped."""
         norm = self.states.grad_norm(grads)
         record["grad_norm"] = norm
+        if not math.isfinite(norm):
+            return None
         clip = self.config.gradient_clipping
         return clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
 
-    def _update(self, record: dict) -> None:
+    def _update(self, record: dict) -> str | None:
+        """Adam over every partition and the new weights published; or, for a non-finite gradient norm seen
+        before any Adam ran, nothing, and the reason to skip the step."""
         states = self.states
         grads = states.fp32_gradients(1.0 / self.scaler.scale)
         norms = [] if self._norm_in_adam else None  # each unit's squared norm, summed by the C Adam
         clip_factor = 1.0 if self._norm_in_adam else self._clip_factor(grads, record)
+        if clip_factor is None:
+            if self._pipeline is not None and self._pipeline.updated:  # eager: Adam ran during backward
+                how = "the overlapped pipeline runs Adam on each unit during backward (no clipping, no fp16)"
+                raise self.skip_guard.poisoned(self.global_steps + 1, record["grad_norm"], how)
+            return "non-finite gradient norm"
         start, split = time.perf_counter(), self._split
         if isinstance(states, NVMeStates):  # module 5: the partition comes from files a sub-group at a time
             states.step(self._host_optimizer, grads, clip_factor, one_pass=self._one_pass)
@@ -365,6 +409,9 @@ class Engine:
             self._timeline.add("Adam", start, time.perf_counter())
         if norms is not None:
             record["grad_norm"] = math.sqrt(self.comm.sum(sum(norms)))
+            if not math.isfinite(record["grad_norm"]):
+                how = "without gradient_clipping the C Adam sums the norm in its own pass over the gradients"
+                raise self.skip_guard.poisoned(self.global_steps + 1, record["grad_norm"], how)
         record["adam_seconds"] = (
             self._pipeline.adam_seconds if self._pipeline else time.perf_counter() - start
         )
@@ -372,6 +419,7 @@ class Engine:
             with self._timeline.span("Adam"):
                 adam_step(self._device_optimizer, states.master_params[split:], grads[split:], clip_factor)
         states.publish()
+        return None
 
     def _host_update(self, grads: list[torch.Tensor], clip_factor: float, norms: list | None = None) -> None:
         """Module 3's serial Adam over the host's partition (module 4: in one pass with the rounding; `norms`
@@ -381,23 +429,26 @@ class Engine:
         elif self._host_optimizer is not None:
             adam_step(self._host_optimizer, self.states.master_params[: self._split], grads, clip_factor)
 
-    def _delayed_step(self, record: dict, overflow: bool) -> None:
-        """Module 5's delayed update: publish step t-1's update, launch step t's on the host (practice/dpu.py)."""
-        grads = [] if overflow else self.states.fp32_gradients(1.0 / self.scaler.scale)
-        clip_factor = 1.0 if overflow else self._clip_factor(grads, record)
-        self.skipped_steps += overflow
+    def _delayed_step(self, record: dict, skip: str | None) -> str | None:
+        """Module 5's delayed update: publish step t-1's update, launch step t's on the host (practice/dpu.py).
+        The norm is known before this step's Adam launches: a non-finite one skips it (the reason returned)."""
+        grads = [] if skip else self.states.fp32_gradients(1.0 / self.scaler.scale)
+        clip_factor = 1.0 if skip else self._clip_factor(grads, record)
+        if clip_factor is None:
+            skip, grads = "non-finite gradient norm", []
         timeline = self._timeline
 
         def adam(snapshot):  # runs on the host queue while forward and backward of the next step run
             with timeline.span("Adam"):
                 self._host_update(snapshot, clip_factor)
 
-        self._delayed.step(grads, adam, self._publish_delayed, skip=overflow)
+        self._delayed.step(grads, adam, self._publish_delayed, skip=skip is not None)
         pipeline, in_flight = self._pipeline, self._delayed.in_flight
         # Early uploads wait for the host's Adam on the upload stream: only where that does not block backward.
         early = pipeline is not None and self._one_pass and pipeline.upload.waits_without_blocking
         if early and in_flight is not None:
             pipeline.upload_during_backward(in_flight)
+        return skip
 
     def _publish_delayed(self) -> None:
         if self._pipeline is not None:  # the units whose new weights went up during backward already
@@ -452,6 +503,7 @@ class Engine:
 
         self.synchronize()  # under a delayed update a checkpoint is a synchronisation point
         save_checkpoint(self, path)
+        self.skip_guard.last_checkpoint = (str(path), self.global_steps)  # what a diverged run goes back to
 
     def load_checkpoint(self, path) -> None:
         """Resume from `path`, saved by any world size: shards are re-cut for this one."""
@@ -459,6 +511,7 @@ class Engine:
 
         self.synchronize()  # an update in flight must not land on top of the loaded states
         load_checkpoint(self, path)
+        self.skip_guard.last_checkpoint = (str(path), self.global_steps)
 
     # -- the full weights outside training (stage 3 holds only shards between forwards) ----------------------------
     def gathered_parameters(self, params=None, *, modifier_rank: int | None = None):

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from .. import initialize
 from ..config import load_config
+from ..divergence import TrainingDivergedError
 from ..implementation.checkpoint import CheckpointError
 from ..principles.comm import CommunicationError, init_distributed
 from ..workloads import ByteBatches, TinyGPT, gpt_config, lm_loss, load_corpus
@@ -136,6 +137,8 @@ def train(config_path: str, *, model: str = "tiny", steps: int = 100, out: str =
         try:
             run = _Run(config_path, model, seed, eval_batches)
             summary = _train(run, steps, Path(out), eval_every, save_every, keep, resume)
+        except TrainingDivergedError:
+            raise  # every rank saw the same inf/nan and stops with the same message: no rank was lost
         except (RuntimeError, _Stopped) as err:
             if distributed and _lost_a_rank(err):
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun's SIGTERM must not cut the message
@@ -226,6 +229,7 @@ def _report(run: _Run, out: Path, resumed_at: int | None) -> dict:
         print(report)
         losses = history["losses"]
         print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; {summary['ms_per_step']:.0f} ms/step; "
+              f"{engine.skipped_steps} step(s) skipped (inf/nan); "
               f"collectives moved {sum(engine.comm.elements.values()):,} elements per rank")  # fmt: skip
         files = run_dir.write_report(out, summary, report, title=f"{history['model']} GPT on the course text")
         print("wrote " + ", ".join(str(path) for path in [*files, out / "timeline.png"]))
