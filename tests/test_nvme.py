@@ -19,7 +19,7 @@ from training import BATCH, SEQ, make_config, train_run
 
 import zero_offload as zo
 from zero_offload.accelerator import EmulatedAccelerator
-from zero_offload.practice import nvme
+from zero_offload.practice import nvme, nvme_files
 from zero_offload.practice.nvme import NVMeError, NVMeStates, SwapFiles
 from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss
 
@@ -43,8 +43,9 @@ def _same(a: dict, b: dict) -> bool:
 def _pairs(rank, world_size, path, cases):
     """Final weights of the NVMe tier and of the CPU tier, for each (stage, precision, CPU Adam, zero extras)."""
     out = []
-    for stage, precision, impl, zero in cases:
-        nvme_run = train_run(rank, world_size, _config("nvme", stage, precision, path, impl, **zero), STEPS)
+    for case, (stage, precision, impl, zero) in enumerate(cases):
+        swap = f"{path}/case{case}"  # each engine its own: train_run leaves its engine open
+        nvme_run = train_run(rank, world_size, _config("nvme", stage, precision, swap, impl, **zero), STEPS)
         cpu_run = train_run(rank, world_size, _config("cpu", stage, precision, None, impl, **zero), STEPS)
         out.append((nvme_run["weights"], cpu_run["weights"], nvme_run["skipped"]))
     return out
@@ -123,9 +124,11 @@ def _optimizer_states(engine):
 def test_the_states_live_in_files_and_the_host_keeps_only_buffer_count_slots(tmp_path):
     rank_dir = tmp_path / "zero_offload_rank0"
     rank_dir.mkdir()
-    for stale in ("subgroup00099.master", ".subgroup00000.master.123.tmp"):  # an earlier run's leftovers
-        (rank_dir / stale).write_bytes(b"old")
-    engine = _engine(_config("nvme", precision="fp16", path=tmp_path))
+    stale = ["subgroup00099.master", ".subgroup00000.master.123.tmp"]  # an earlier run's leftovers
+    for name in stale:
+        (rank_dir / name).write_bytes(b"old")
+    with pytest.warns(UserWarning, match=r"holds 2 file\(s\) this engine did not create.*left alone"):
+        engine = _engine(_config("nvme", precision="fp16", path=tmp_path))
     _train(engine, 1)
     states = engine.states
     groups, slot = states.groups, states.slot_numel
@@ -138,7 +141,8 @@ def test_the_states_live_in_files_and_the_host_keeps_only_buffer_count_slots(tmp
     for views, flat in ((states.master_params, states.master), (states.exp_avgs, states.exp_avg)):
         assert all(v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for v in views)
     files = sorted(p.name for p in rank_dir.iterdir())
-    assert files == sorted(f"subgroup{g:05d}.{s}" for g in range(len(groups)) for s in nvme.STATES)
+    ours = [f"subgroup{g:05d}.{s}" for g in range(len(groups)) for s in nvme.STATES]
+    assert files == sorted(ours + stale)  # the engine deletes only what it created
     for g, group in enumerate(groups):
         assert (rank_dir / f"subgroup{g:05d}.exp_avg").stat().st_size == 4 * sum(sizes[i] for i in group)
     report = engine.memory_report()
@@ -165,8 +169,8 @@ def test_an_nvme_path_that_is_a_file_or_a_full_drive_is_refused_at_initialize(tm
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(NVMeError, match=r"file/zero_offload_rank0: Not a directory \(ENOTDIR\)"):
         _engine(_config("nvme", path=tmp_path / "file"))
-    usage = nvme.shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(nvme.shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    usage = nvme_files.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(nvme_files.shutil, "disk_usage", lambda path: usage._replace(free=1000))
     with pytest.raises(NVMeError, match=r"needs 2,844,672 bytes .* and 1,000 bytes .* are free"):
         _engine(_config("nvme", path=tmp_path / "swap"))
 

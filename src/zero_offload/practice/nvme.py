@@ -22,47 +22,27 @@ the temporaries are removed, Adam's step counts are rolled back, the staging buf
 files, and the step raises NVMeError on every rank. The engine is then where it was before the step (its
 global_steps, loss scale and schedule had not moved yet); only that step's gradients are still accumulated:
 call engine.zero_grad(), free space, and train on.
+
+The files themselves, their lock and their checksums are nvme_files.py's: this process's scratch space, and no
+one else's; a file changed underneath raises instead of being trained on.
 """
 
 from __future__ import annotations
 
-import errno
-import os
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
 
-from ..implementation.checkpoint import _fsync_dir, _write_temp
 from ..implementation.offload import OffloadedStates, adam_step
 from ..principles.zero import _fill_from
 from ..tuning.cpu_adam import one_pass_offload_step
-from ..units import format_bytes
+from .nvme_files import STATES, NVMeError, NVMePathError, SwapFiles, _os_error
 
-STATES = ("master", "exp_avg", "exp_avg_sq")  # one file each per sub-group
+__all__ = ["STATES", "NVMeError", "NVMePathError", "NVMeStates", "SwapFiles", "sub_groups"]
+
 _LEDGER_NAMES = ("master_weights", "exp_avg", "exp_avg_sq")
-_KEY = "zero_optimization.offload_optimizer.nvme_path"
-_FIXES = {
-    errno.ENOSPC: "free space on that drive, or choose an nvme_path on a drive with more",
-    errno.EDQUOT: "your disk quota is used up: free some, or choose an nvme_path outside it",
-    errno.EACCES: "make that directory writable for this user, or choose another nvme_path",
-    errno.EPERM: "make that directory writable for this user, or choose another nvme_path",
-    errno.EROFS: "that file system is read-only: choose an nvme_path on a writable drive",
-    errno.ENOTDIR: "nvme_path must be a directory, or a path where one can be made",
-    errno.EEXIST: "nvme_path must be a directory, or a path where one can be made",
-}
-
-
-class NVMeError(RuntimeError):
-    """The NVMe tier cannot use its files; the message names the file, the cause and the fix."""
-
-
-def _os_error(err: OSError, doing: str, path) -> NVMeError:
-    code = errno.errorcode.get(err.errno, "unknown error")
-    fix = _FIXES.get(err.errno, f"check the drive, or choose another {_KEY}")
-    return NVMeError(f"could not {doing} {path}: {err.strerror or err} ({code}); {fix}")
 
 
 def sub_groups(sizes: list[int], limit: int) -> list[range]:
@@ -75,81 +55,6 @@ def sub_groups(sizes: list[int], limit: int) -> list[range]:
         total += size
     groups.append(range(start, len(sizes)))
     return groups
-
-
-class SwapFiles:
-    """One rank's files: subgroup<g>.<state>, each holding exactly numels[g] fp32 values."""
-
-    def __init__(self, root: str, rank: int, numels: list[int]):
-        self.dir = Path(root) / f"zero_offload_rank{rank}"
-        self.numels = numels
-
-    def path(self, group: int, state: str) -> Path:
-        return self.dir / f"subgroup{group:05d}.{state}"
-
-    def prepare(self) -> None:
-        """Make the directory, prove it writable, and check there is room for the files and their replacements."""
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise _os_error(err, "create the swap directory", self.dir) from None
-        try:
-            _write_temp(self.dir / "probe", lambda file: file.write(b"\0")).unlink()
-        except OSError as err:
-            raise _os_error(err, "write a file in", self.dir) from None
-        # Files an earlier run left (another sub-group layout, temporaries of a crash) would only take space.
-        paths = {self.path(g, state) for g in range(len(self.numels)) for state in STATES}
-        for old in self.dir.iterdir():
-            if old.name.startswith(("subgroup", ".subgroup")) and old not in paths:
-                old.unlink()
-        files = 4 * len(STATES) * sum(self.numels)
-        # Every file exists twice between a step's writes and its replacements; files of an earlier run are
-        # replaced, so their space counts as free.
-        need = 2 * files
-        ours = sum(path.stat().st_size for path in paths if path.exists())
-        free = shutil.disk_usage(self.dir).free + ours
-        if free < need:
-            raise NVMeError(
-                f"not enough free space for the NVMe tier in {self.dir}: it needs {need:,} bytes "
-                f"({format_bytes(need)}: {format_bytes(files)} of fp32 master weights, m and v for "
-                f"{sum(self.numels):,} parameters, twice while a step replaces them), and {free:,} bytes "
-                f"({format_bytes(free)}) are free; free {format_bytes(need - free)} or choose another {_KEY}"
-            )
-
-    # read() and write() raise OSError as it comes; the states turn it into an NVMeError that names the file.
-    def read(self, group: int, state: str, out: torch.Tensor) -> None:
-        path = self.path(group, state)
-        view = memoryview(out.numpy()).cast("B")
-        with open(path, "rb", buffering=0) as file:
-            done = 0
-            while done < len(view):
-                got = file.readinto(view[done:])
-                if not got:
-                    raise NVMeError(
-                        f"{path} holds {done} bytes, {len(view)} were expected: the swap file is damaged or "
-                        "was changed by someone else; load a checkpoint"
-                    )
-                done += got
-
-    def write(self, group: int, state: str, data: torch.Tensor) -> tuple[Path, Path]:
-        """Write `data` beside the file, flushed to the drive; returns (temporary, final) for commit()."""
-        final = self.path(group, state)
-        return _write_temp(final, lambda file: file.write(memoryview(data.numpy()).cast("B"))), final
-
-    def commit(self, written: list[tuple[Path, Path]]) -> None:
-        try:
-            for temp, final in written:
-                os.replace(temp, final)
-        except OSError as err:
-            self.discard(written)
-            raise NVMeError(
-                f"{_os_error(err, 'rename', temp)}. The swap files may now mix two steps: load a checkpoint"
-            ) from None
-        _fsync_dir(self.dir)
-
-    def discard(self, written: list[tuple[Path, Path]]) -> None:
-        for temp, _ in written:
-            temp.unlink(missing_ok=True)
 
 
 def _timed(fn, *args):
@@ -173,9 +78,11 @@ class NVMeStates(OffloadedStates):
         super().__init__(model, accel, precision, stage, comm, zero, **kwargs)
 
     def close(self) -> None:
-        """Finish the reads and writes in flight and stop their threads (engine.close())."""
+        """Finish the reads and writes in flight, stop their threads, and remove the files (engine.close())."""
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
+        if hasattr(self, "files"):
+            self.files.remove()
 
     def _agree(self, error: Exception | None) -> None:
         """Raise on every rank if any rank failed, so that no rank waits in a collective for one that left."""
@@ -198,7 +105,11 @@ class NVMeStates(OffloadedStates):
             self.files.prepare()
         except NVMeError as err:
             error = err
-        self._agree(error)
+        try:
+            self._agree(error)
+        except NVMeError:
+            self.files.remove()  # this engine will not exist: nothing would close it
+            raise
         self.slots, self.slot_numel = min(self.buffer_count, len(self.groups)), max(numels)
         # One flat buffer per state, cut into slots: what the ledger counts as host memory for the states.
         flat = [self._host(self.slots * self.slot_numel, torch.float32, self.pin_optimizer) for _ in STATES]
@@ -238,7 +149,11 @@ class NVMeStates(OffloadedStates):
                 self.files.commit(self._write_group(g))
         except NVMeError as err:
             error = err
-        self._agree(error)
+        try:
+            self._agree(error)
+        except NVMeError:
+            self.files.remove()
+            raise
 
     # -- moving sub-groups ----------------------------------------------------------------------------------
     def _read_group(self, g: int) -> None:
@@ -248,7 +163,7 @@ class NVMeStates(OffloadedStates):
             except OSError as err:
                 raise _os_error(err, "read", self.files.path(g, state)) from None
 
-    def _write_group(self, g: int) -> list[tuple[Path, Path]]:
+    def _write_group(self, g: int) -> list[tuple[Path, Path, int]]:
         written = []
         try:
             for state, view in zip(STATES, self._group_views[g], strict=True):
