@@ -5,14 +5,17 @@
     python tools/multinode.py --command demo --nodes 2 -- --out out/demo-multinode
 
 Everything after `--` goes to the `zo` command; for `zo train` without a --config there, a small ZeRO-2 +
-CPU-offload config is written to OUT/ds_config.json. Node i is one torchrun agent with --node_rank i, as it would be on machine i:
+CPU-offload config is written to OUT/ds_config.json. Node i is one torchrun agent with --node_rank i, as it would
+be on machine i:
 
-    torchrun --nnodes N --node_rank i --nproc_per_node P --master_addr 127.0.0.1 --master_port PORT \\
-             -m zero_offload.cli train ...    (or demo)
+    python -m zero_offload.launch --nnodes N --node_rank i --nproc_per_node P --master_addr 127.0.0.1 \\
+             --master_port PORT -m zero_offload.cli train ...    (or demo)
 
-On real machines run that command on each, with --master_addr the first machine's address and an --out they
-all share. When a node fails, the others get --grace seconds to stop on their own (their ranks say which step
-was lost and how to resume) before they are terminated.
+zero_offload.launch is torchrun, except that node 0 opens the rendezvous store on 127.0.0.1 alone (torchrun's own
+store listens on every interface). On real machines run torchrun on each, with --master_addr the first machine's
+address and an --out they all share, behind the firewall README.md describes. When a node fails, the others get
+--grace seconds to stop on their own (their ranks say which step was lost and how to resume) before they are
+terminated.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from zero_offload.launch import torchrun_command
 from zero_offload.principles.comm import free_port
 
 CONFIG = {
@@ -36,9 +40,10 @@ CONFIG = {
 def node_command(
     node: int, nodes: int, nproc: int, port: int, args: list[str], command: str = "train"
 ) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(node),
-            "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(port),
-            "-m", "zero_offload.cli", command, *args]  # fmt: skip
+    """torchrun for node `node`, through zero_offload.launch: its rendezvous store listens on 127.0.0.1 only."""
+    return torchrun_command(
+        ["-m", "zero_offload.cli", command, *args], port=port, nproc=nproc, nodes=nodes, node=node
+    )
 
 
 def wait_all(procs: list[subprocess.Popen], grace: float) -> int:

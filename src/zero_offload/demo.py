@@ -18,7 +18,6 @@ import gc
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -273,11 +272,12 @@ def _rank_from_env() -> int:
 
 def _launch(out: Path, *, ranks: int, budget: int, steps: int, quick: bool) -> dict:
     """Parts 0-2 and 4 under torchrun; what rank 0 saved."""
+    from .launch import torchrun_command
     from .principles.comm import free_port
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "zero_offload.cli",
-               "demo", "--out", str(out), "--budget", str(budget), "--steps", str(steps), "--ranks-only"]  # fmt: skip
+    # zero_offload.launch is torchrun with its rendezvous store listening on 127.0.0.1 only, not every interface.
+    command = torchrun_command(["-m", "zero_offload.cli", "demo", "--out", str(out), "--budget", str(budget),
+                                "--steps", str(steps), "--ranks-only"], port=free_port(), nproc=ranks)  # fmt: skip
     code = subprocess.run(command + (["--quick"] if quick else [])).returncode
     if code != 0:
         raise SystemExit(f"the demo failed (exit code {code}); the rank that failed printed why, above")
