@@ -116,11 +116,13 @@ def _plan(args) -> int:
 
 
 def _check_config(args) -> int:
+    from .combinations import check_supported
     from .config import ConfigError, load_config
 
     try:
         config = load_config(args.path, world_size=args.world_size)
-    except ConfigError as err:
+        check_supported(config)  # the combinations zo.initialize refuses, so that OK here means it runs
+    except (ConfigError, NotImplementedError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(config.to_dict(), indent=2))

@@ -551,6 +551,13 @@ def _scheduler(s: _Section) -> SchedulerConfig:
         kind_, rule = _SCHEDULER_RULES[name]
         params[name] = p.get(name, kind_, default, **rule)
     p.done()
+    if "warmup_max_lr" in params and params["warmup_min_lr"] > params["warmup_max_lr"]:
+        raise ConfigError(
+            p.key("warmup_min_lr"),
+            f"{p.key('warmup_min_lr')} {params['warmup_min_lr']} is above {p.key('warmup_max_lr')} "
+            f"{params['warmup_max_lr']} (1e-3 when not set): the warm-up would lower the learning "
+            "rate; make warmup_min_lr the smaller one",
+        )
     return SchedulerConfig(type=kind, params=FrozenDict(params))
 
 
@@ -819,13 +826,22 @@ def load_config(source: dict | str | os.PathLike | Config, *, world_size: int = 
         name = os.fspath(source)
         try:
             with open(name, encoding="utf-8") as f:
-                source = json.load(f)
+                source = json.load(f, object_pairs_hook=_Pairs)
         except OSError as err:
             raise ConfigError("", f"cannot read config file {name!r}: {err.strerror}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(
+                "",
+                f"config file {name!r} is not UTF-8 text ({err.reason}); save it as UTF-8, as JSON requires",
+            ) from None
         except json.JSONDecodeError as err:
             raise ConfigError(
                 "",
                 f"config file {name!r} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}",
+            ) from None
+        except ValueError as err:  # a NUL in the name; a number of more than 4300 digits in the file
+            raise ConfigError(
+                "", f"cannot read config file {name!r}: {err}; check the name and the file"
             ) from None
         if not isinstance(source, dict):
             raise ConfigError(
@@ -833,4 +849,31 @@ def load_config(source: dict | str | os.PathLike | Config, *, world_size: int = 
                 f"config file {name!r} must hold a JSON object {{...}} at the top level, "
                 f"got {type(source).__name__}",
             )
+        _check_unique_keys(source, name)
     return _parse(source, world_size)
+
+
+class _Pairs(dict):
+    """A JSON object that remembers the keys it held twice: json.load would keep the last one silently."""
+
+    def __init__(self, pairs):
+        super().__init__(pairs)
+        keys = [key for key, _ in pairs]
+        self.repeated = [key for key in self if keys.count(key) > 1] if len(self) < len(keys) else []
+
+
+def _check_unique_keys(value, name: str, path: str = "") -> None:
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_unique_keys(item, name, f"{path}[{i}]")
+    if not isinstance(value, dict):
+        return
+    if getattr(value, "repeated", None):
+        where = f"{path}.{value.repeated[0]}" if path else value.repeated[0]
+        raise ConfigError(
+            where,
+            f"{where} appears more than once in config file {name!r}; JSON readers keep only the last one "
+            "(so one of the two values is ignored): keep one",
+        )
+    for key, item in value.items():
+        _check_unique_keys(item, name, f"{path}.{key}" if path else key)

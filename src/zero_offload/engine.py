@@ -113,6 +113,7 @@ class Engine:
                 "pass the config through zo.initialize so that it reads the world size itself"
             )
         self.comm.check_same("configs", config.fingerprint())
+        _check_same_parameters(self.comm, model)  # before the states' collectives, which would mispair
         params = unique_parameters(model)
         if not params:
             raise ValueError("the model has no trainable parameters")
@@ -177,6 +178,8 @@ class Engine:
         # Counts the skips in a row nothing cures and stops the run at zero_offload.max_skipped_steps.
         self.skip_guard = SkipGuard(config.zero_offload.max_skipped_steps, fp16=config.fp16.enabled)
         self._window_skip: str | None = None  # why this accumulation window's step will be skipped
+        self._boundary_at: int | None = None  # global_steps when backward last closed a window: step() is due
+        self._warned_unstepped = False
         # One entry per optimizer step: loss scale, overflow, gradient norm, learning rate, Adam's seconds.
         self.history: list[dict] = []
         _open_engines.add(self)
@@ -290,6 +293,21 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Scale the loss (loss scale / accumulation steps) and accumulate gradients where the states keep them."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"backward needs the loss tensor returned by the forward, got {type(loss).__name__}; pass "
+                "the loss itself (e.g. loss_fn(engine(x), y)), not loss.item() or a number"
+            )
+        if self._boundary_at == self.global_steps and not self._warned_unstepped:
+            self._warned_unstepped = True
+            warnings.warn(
+                f"backward() was called again after {self.gradient_accumulation_steps} backward() call(s) "
+                "with no engine.step() between: the gradients add up over more micro-batches than "
+                "gradient_accumulation_steps says, so the next step is larger than intended; call engine.step() "
+                "after every backward(), or raise gradient_accumulation_steps",
+                UserWarning,
+                stacklevel=2,
+            )
         if loss.dim() != 0:
             raise ValueError(
                 f"backward needs a scalar loss, got shape {tuple(loss.shape)}; reduce it first (mean)"
@@ -314,6 +332,7 @@ class Engine:
                 (loss.float() * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
         self.states.after_backward()
         self.micro_steps += 1
+        self._boundary_at = self.global_steps if self.is_gradient_accumulation_boundary() else None
 
     def _nonfinite_loss(self, loss: torch.Tensor) -> bool:
         """bf16/fp32: whether this window's step is to be skipped for a non-finite loss on any rank. Its backward
@@ -581,6 +600,32 @@ class Engine:
             host_staging=self.states.host_staging_bytes()
             if hasattr(self.states, "host_staging_bytes")
             else 0,
+        )
+
+
+def _check_same_parameters(comm: Comm, model: torch.nn.Module) -> None:
+    """Fail on every rank, naming the first parameter that differs, unless every rank trains the same shapes.
+
+    The configs agree by now, but a model built from another argument on one rank would send buffers of other
+    sizes into the first collective, where gloo aborts the process or every rank waits for the timeout."""
+    if comm.world_size == 1:
+        return
+    mine = [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.requires_grad]
+    everyone = [None] * comm.world_size
+    torch.distributed.all_gather_object(everyone, mine, group=comm.group)
+    first_rank = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        if theirs == first_rank:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(first_rank, theirs, strict=False)) if a != b), None)
+        at = min(len(theirs), len(first_rank)) if at is None else at  # one list is the start of the other
+        shown = [
+            f"{p[at][0]} of shape {p[at][1]}" if at < len(p) else "missing" for p in (first_rank, theirs)
+        ]
+        raise ValueError(
+            f"the ranks train different models: trainable parameter {at} is {shown[0]} on rank 0 but {shown[1]} "
+            f"on rank {rank} ({len(first_rank)} and {len(theirs)} trainable parameters); build the same model "
+            "on every rank (same size, same layers, same requires_grad)"
         )
 
 

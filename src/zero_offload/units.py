@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 # SI prefixes are powers of 1000, IEC prefixes powers of 1024: "512MB" and "512MiB" differ by 5%,
@@ -28,7 +29,7 @@ def parse_bytes(value: int | float | str) -> int:
     if isinstance(value, (int, float)):
         if value < 0:
             raise ValueError(f"a byte size cannot be negative, got {value!r}")
-        return int(value)
+        return int(_finite(value, value))
     match = _PATTERN.match(str(value))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
@@ -36,7 +37,16 @@ def parse_bytes(value: int | float | str) -> int:
             f"cannot read {value!r} as a byte size; write a number with an optional unit, "
             "e.g. 536870912, '512MiB' or '0.5GB' (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    return int(_finite(float(match.group(1)) * _UNITS[unit], value))
+
+
+def _finite(size: float, written) -> float:
+    # "1e400MB" and JSON's Infinity read as an infinite float, and int() of one is an OverflowError.
+    if not math.isfinite(size):
+        raise ValueError(
+            f"{written!r} is not a finite byte size; write a size a machine can have, e.g. '512MiB' or '80GB'"
+        )
+    return size
 
 
 def format_bytes(num_bytes: float) -> str:

@@ -116,6 +116,14 @@ class TinyGPT(nn.Module):
             self.lm_head.weight = self.wte.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        expected = f"expected shape (batch, seq_len) of token ids, seq_len at most {self.cfg.seq_len}"
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+            got = f"shape {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx).__name__
+            fix = "; make one sequence a batch of one with idx[None]" if got.count(",") == 1 else ""
+            raise ValueError(f"TinyGPT: {expected}, got {got}{fix}")
+        if idx.numel() == 0:  # its mean loss is 0/0: a NaN that the step would train on
+            raise ValueError(f"TinyGPT: the batch is empty (shape {tuple(idx.shape)}); pass at least one sequence "
+                             "of at least one token")  # fmt: skip
         seq = idx.shape[1]
         if seq > self.cfg.seq_len:
             raise ValueError(

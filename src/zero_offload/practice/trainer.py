@@ -135,6 +135,10 @@ def train(config_path: str, *, model: str = "tiny", steps: int = 100, out: str =
     run = None
     with _sigterm_raises(distributed):
         try:
+            if distributed:
+                _check_same_arguments(model=model, steps=steps, out=out, seed=seed, eval_every=eval_every,
+                                      eval_batches=eval_batches, save_every=save_every, keep=keep,
+                                      resume=resume, timeout=timeout)  # fmt: skip
             run = _Run(config_path, model, seed, eval_batches)
             summary = _train(run, steps, Path(out), eval_every, save_every, keep, resume)
         except TrainingDivergedError:
@@ -143,6 +147,10 @@ def train(config_path: str, *, model: str = "tiny", steps: int = 100, out: str =
             if distributed and _lost_a_rank(err):
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun's SIGTERM must not cut the message
                 raise RankLostError(_lost_message(err, run, Path(out))) from err
+            raise
+        except ValueError:  # input refused (arguments, config, model that differ by rank), on every rank
+            if distributed:
+                dist.destroy_process_group()  # else gloo's threads outlive the interpreter: SIGABRT at exit
             raise
     run.engine.close()
     if distributed:
@@ -258,6 +266,23 @@ def _check_arguments(config_path, steps, eval_every, eval_batches, save_every, k
         problems.append(f"--timeout is seconds, more than 0, got {timeout}")
     if problems:
         raise TrainError("; ".join(problems))
+
+
+def _check_same_arguments(**arguments) -> None:
+    """Every rank must be started with the same options (the config's contents are checked by the engine).
+
+    Ranks that differ would not fail where they differ: another --seed trains on other data silently, another
+    --out leaves a checkpoint without this rank's file, another --steps waits in a collective until the timeout.
+    --config is not compared: each node may keep the file at its own path."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, arguments)
+    for name in arguments:
+        values = [theirs[name] for theirs in everyone]
+        if len(set(map(repr, values))) > 1:
+            flag = "--" + name.replace("_", "-")
+            listing = ", ".join(f"rank {rank}: {v}" for rank, v in enumerate(values))
+            raise TrainError(f"the ranks were started with different {flag} ({listing}); start every rank "
+                             f"with the same command line, e.g. the same {flag} {values[0]}")  # fmt: skip
 
 
 @contextmanager
