@@ -232,3 +232,19 @@ def test_the_emulated_device_reuses_freed_blocks_instead_of_faulting_in_fresh_pa
     # round's blocks faults every 4 KiB page in again (25,600 pages). A GPU's caching allocator would not.
     assert faults("default") > 20_000
     assert faults("keep") < 1_000
+
+
+def test_a_cuda_accelerator_without_a_budget_lifts_the_cap_an_earlier_one_set(monkeypatch):
+    # The cap is per process: an engine made after one with a budget must not inherit it. No GPU needed, the
+    # calls the accelerator makes into torch.cuda are recorded instead.
+    from zero_offload.accelerator import CudaAccelerator
+
+    caps = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: type("Props", (), {"total_memory": 8 << 30})()
+    )
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: caps.append(f))
+    CudaAccelerator(2 << 30)
+    CudaAccelerator()
+    assert caps == [0.25, 1.0]

@@ -269,3 +269,18 @@ def test_a_changed_source_is_a_new_cache_entry(tmp_path, monkeypatch):
     source.write_text(build_module.SOURCE.read_text() + "\n/* edited */\n")
     second = build_module.build(source)
     assert first.__name__ != second.__name__ and len(list(tmp_path.glob("zo_cpu_adam_*"))) == 2
+
+
+def test_a_missing_cffi_falls_back_to_torchs_adam_with_a_warning_that_names_it(monkeypatch):
+    import zero_offload as zo
+    from zero_offload.accelerator import EmulatedAccelerator
+    from zero_offload.tuning.build import CompilerNotFound, build
+
+    monkeypatch.setitem(sys.modules, "cffi", None)  # `import cffi` now raises ImportError
+    with pytest.raises(CompilerNotFound, match="cffi is not installed"):
+        build()
+    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}  # fmt: skip
+    with pytest.warns(UserWarning, match="cffi is not installed"):
+        engine = zo.initialize(torch.nn.Linear(4, 4), config, accelerator=EmulatedAccelerator())
+    assert isinstance(engine._host_optimizer, torch.optim.AdamW)

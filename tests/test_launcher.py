@@ -119,3 +119,22 @@ def test_a_bad_config_under_torchrun_fails_on_every_rank_with_its_message_and_a_
     assert run.returncode != 0
     assert run.stderr.count("zero_optimisation") >= 2, run.stderr[-3000:]  # both ranks name the key
     assert "terminate called" not in run.stderr and "SIGABRT" not in run.stderr, run.stderr[-3000:]
+
+
+def test_the_backend_follows_the_accelerator_even_where_a_gpu_is_visible(monkeypatch):
+    from zero_offload.accelerator import wants_cuda
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("ZO_DEVICE", "cpu")  # the emulated device on a GPU machine: gloo, CPU tensors
+    assert wants_cuda() is False
+    monkeypatch.delenv("ZO_DEVICE")
+    assert wants_cuda() is True
+
+
+def test_more_ranks_on_a_node_than_gpus_is_refused_with_the_fix(monkeypatch):
+    from zero_offload.principles.comm import _choose_gpu
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=1 but this node has 1 GPU.*ZO_DEVICE=cpu"):
+        _choose_gpu()

@@ -316,3 +316,25 @@ def test_offloading_the_weights_without_the_optimizer_is_refused_with_the_fix():
     config = _config(3, offload_param=CPU)
     with pytest.raises(NotImplementedError, match='"offload_optimizer": {"device": "cpu"}'):
         zo.initialize(TinyGPT("nano"), config, accelerator=EmulatedAccelerator())
+
+
+class _NoPinning(EmulatedAccelerator):
+    """An accelerator whose page-locked allocations fail, as they do under a low `ulimit -l`."""
+
+    def host_empty(self, shape, dtype, *, pin=False):
+        if pin:
+            raise RuntimeError("cannot pin memory: locked-memory limit reached")
+        return super().host_empty(shape, dtype)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_buffers_fall_back_to_pageable_memory_when_pinning_fails(overlap):
+    config = make_config(2, offload_optimizer={"device": "cpu", "pin_memory": True})
+    config["zero_offload"] = {"overlap_offload": overlap}
+    with pytest.warns(UserWarning, match="could not pin host memory"):
+        engine = zo.initialize(TinyGPT("nano"), config, accelerator=_NoPinning())
+    assert not engine.states.flat_grad.is_pinned()
+    x = torch.randint(0, 256, (BATCH, SEQ))
+    engine.backward(lm_loss(engine(x), x))
+    engine.step()
+    assert torch.isfinite(engine.states.master).all()

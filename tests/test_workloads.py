@@ -83,3 +83,11 @@ def test_eval_split_is_disjoint_from_train():
     corpus = load_corpus()
     train, held_out = ByteBatches(corpus, 16, split="train"), ByteBatches(corpus, 16, split="eval")
     assert len(train.data) + len(held_out.data) == len(corpus)
+
+
+def test_lm_loss_takes_its_targets_to_the_logits_device():
+    # Batches are made on the CPU and the engine moves only the forward's inputs: on a GPU the logits are on
+    # cuda and the targets were not. The meta device shows the same mismatch without a GPU.
+    logits = torch.randn(2, 4, 8, device="meta")
+    targets = torch.randint(0, 8, (2, 4))
+    assert lm_loss(logits, targets).device.type == "meta"

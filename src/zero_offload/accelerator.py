@@ -430,9 +430,12 @@ class CudaAccelerator(Accelerator):
         index = torch.cuda.current_device() if index is None else index
         self.device = torch.device("cuda", index)
         self.capacity = capacity
+        # Set every time, to the whole device when no budget is given: the cap is per process, and an engine
+        # made after one with a budget would otherwise inherit that budget.
+        fraction = 1.0
         if capacity is not None:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, capacity / total), self.device)
+            fraction = min(1.0, capacity / torch.cuda.get_device_properties(self.device).total_memory)
+        torch.cuda.set_per_process_memory_fraction(fraction, self.device)
 
     def empty(self, shape, dtype: torch.dtype, *, category: str = "other") -> torch.Tensor:
         try:

@@ -137,7 +137,9 @@ class TinyGPT(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-byte cross-entropy, computed in fp32 whatever the logits' precision."""
+    """Next-byte cross-entropy, computed in fp32 whatever the logits' precision. The targets follow the logits
+    to their device: a batch is made on the CPU, and the engine moves only what the forward takes."""
+    targets = targets.to(logits.device)
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 

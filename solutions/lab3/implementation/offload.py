@@ -91,10 +91,14 @@ class Transfers:
         self.bytes.clear()
 
 
-def host_buffer(accel: Accelerator, numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
-    """A zeroed host buffer, page-locked if `pin` (so DMA can read it); pageable, with a warning, if not."""
+def host_buffer(
+    accel: Accelerator, numel: int, dtype: torch.dtype, *, pin: bool, zeroed: bool = True
+) -> torch.Tensor:
+    """A host buffer (zeroed unless told not to), page-locked if `pin` (so DMA can read it); pageable, with a
+    warning, if the pinning fails."""
     try:
-        return accel.host_empty(numel, dtype, pin=pin).zero_()
+        buffer = accel.host_empty(numel, dtype, pin=pin)
+        return buffer.zero_() if zeroed else buffer
     except RuntimeError as err:  # pinned memory is limited (ulimit -l, containers)
         # One text for every buffer, so that the warnings filter shows it once, not once per buffer.
         warnings.warn(
@@ -237,8 +241,10 @@ class OffloadedStates(ShardedStates):
 
     def _allocate_gradients(self, full_numel: int, shard_numel: int) -> None:
         host, device = self._placement()
-        if self.pipelined:  # module 5's pipeline clears it when first used: untouched, it takes no memory
-            self.flat_grad = self.accel.host_empty(sum(host), torch.float32, pin=self.pin_optimizer)
+        if self.pipelined:  # module 5's pipeline clears it when first used (pageable: no memory until then)
+            self.flat_grad = host_buffer(
+                self.accel, sum(host), torch.float32, pin=self.pin_optimizer, zeroed=False
+            )
         else:
             self.flat_grad = self._host(sum(host), torch.float32, self.pin_optimizer)
         self.grad_staging = []

@@ -36,7 +36,7 @@ _loaded: dict[object, object] = {}  # content key, and (path, flags, name, file 
 
 
 class CompilerNotFound(RuntimeError):
-    """No C compiler on this machine: the message says how to install one."""
+    """The C CPU Adam cannot be built here (no C compiler, or no cffi): the message says what to install."""
 
 
 def cache_dir() -> Path:
@@ -72,7 +72,14 @@ def _file_stamp(path) -> tuple[int, int]:
 
 def build(source: str | Path = SOURCE, *, flags: tuple[str, ...] = FLAGS, name: str = "zo_cpu_adam"):
     """The compiled module for `source` (cached); raises CompilerNotFound or the compiler's own error."""
-    import cffi  # only needed when compiling or loading
+    try:
+        import cffi  # only needed when compiling or loading
+    except ImportError as err:  # a bare ImportError would escape the engine's fallback to torch's Adam
+        raise CompilerNotFound(
+            f"cffi is not installed ({err}), so the SIMD CPU Adam cannot be built or loaded: "
+            "`pip install cffi` (`make install` pins it), or keep "
+            '"zero_offload": {"cpu_adam": {"impl": "torch"}}'
+        ) from err
 
     if os.environ.get("ZO_CPU_ADAM_SANITIZE") == "1":
         flags = (*flags, *SANITIZE_FLAGS)
