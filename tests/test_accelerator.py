@@ -245,6 +245,7 @@ def test_a_cuda_accelerator_without_a_budget_lifts_the_cap_an_earlier_one_set(mo
         torch.cuda, "get_device_properties", lambda device: type("Props", (), {"total_memory": 8 << 30})()
     )
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: caps.append(f))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     CudaAccelerator(2 << 30)
     CudaAccelerator()
     assert caps == [0.25, 1.0]

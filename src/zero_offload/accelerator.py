@@ -49,6 +49,32 @@ CATEGORIES = (
 )
 
 
+def offload_hint(category: str) -> str:
+    """The setting that frees device memory of `category`."""
+    return OFFLOAD_HINTS.get(category, "offload model states to the host (see zero_optimization)")
+
+
+def hinted_oom(err: torch.OutOfMemoryError, category: str) -> torch.OutOfMemoryError:
+    """torch's out-of-memory error with the setting that frees memory of `category` added to its text."""
+    if "Hint:" in str(err):  # raised by an allocation that already named its category
+        return err
+    return torch.OutOfMemoryError(f"{err}\nWhile allocating {category}. Hint: {offload_hint(category)}.")
+
+
+class _HintOnOutOfMemory(contextlib.AbstractContextManager):
+    """Re-raises an out-of-memory error from inside the block as `hinted_oom(err, category)`."""
+
+    def __init__(self, category: str):
+        self.category = category
+
+    def __exit__(self, kind, err, tb):
+        if isinstance(err, torch.OutOfMemoryError):
+            hinted = hinted_oom(err, self.category)
+            if hinted is not err:
+                raise hinted.with_traceback(tb) from None  # where it ran out, without torch's text twice
+        return False
+
+
 class _Allocation:
     """One live block of emulated device memory."""
 
@@ -64,12 +90,17 @@ class DeviceOutOfMemoryError(torch.OutOfMemoryError):
 
 @dataclass
 class MemoryStats:
-    """Device bytes in use now and at the peak, against the capacity (None = unlimited)."""
+    """Device bytes in use now and at the peak, against the capacity (None = unlimited).
+
+    `reserved`: what the device's allocator holds, in use or cached for reuse; a CUDA budget caps this, not
+    `in_use`. The emulated device caches nothing, so there it equals `in_use`.
+    """
 
     in_use: int
     peak: int
     capacity: int | None
     by_category: dict[str, int] = field(default_factory=dict)
+    reserved: int = 0
 
 
 class Event:
@@ -269,7 +300,7 @@ class EmulatedAccelerator(Accelerator):
 
     def _oom_message(self, nbytes: int, category: str) -> str:
         held = ", ".join(f"{c} {format_bytes(b)}" for c, b in self._by_category.items() if b)
-        hint = OFFLOAD_HINTS.get(category, "offload model states to the host (see zero_optimization)")
+        hint = offload_hint(category)
         return (
             f"Emulated device out of memory. Tried to allocate {format_bytes(nbytes)} for {category}. "
             f"Budget {format_bytes(self.capacity)}; {format_bytes(self._in_use)} already in use "
@@ -334,7 +365,9 @@ class EmulatedAccelerator(Accelerator):
 
     def memory_stats(self) -> MemoryStats:
         with self._lock:
-            return MemoryStats(self._in_use, self._peak, self.capacity, dict(self._by_category))
+            return MemoryStats(
+                self._in_use, self._peak, self.capacity, dict(self._by_category), reserved=self._in_use
+            )
 
     def reset_peak(self) -> None:
         with self._lock:
@@ -436,13 +469,14 @@ class CudaAccelerator(Accelerator):
         if capacity is not None:
             fraction = min(1.0, capacity / torch.cuda.get_device_properties(self.device).total_memory)
         torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+        # torch's peak counts from process start: without this, a report would show an earlier engine's peak.
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def empty(self, shape, dtype: torch.dtype, *, category: str = "other") -> torch.Tensor:
         try:
             return torch.empty(shape, dtype=dtype, device=self.device)
         except torch.OutOfMemoryError as err:
-            hint = OFFLOAD_HINTS.get(category, "offload model states to the host (see zero_optimization)")
-            raise torch.OutOfMemoryError(f"{err}\nWhile allocating {category}. Hint: {hint}.") from None
+            raise hinted_oom(err, category) from None
 
     def host_empty(self, shape, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=pin)
@@ -454,7 +488,11 @@ class CudaAccelerator(Accelerator):
         tensor.untyped_storage().resize_(0)
 
     def restore_storage(self, tensor: torch.Tensor, category: str = "parameters") -> None:
-        tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+        with _HintOnOutOfMemory(category):  # stage 3's gathers: the largest allocations of a step
+            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+
+    def activations(self, storage_dtype: torch.dtype = torch.float32):
+        return _HintOnOutOfMemory("activations")
 
     def new_stream(self, name: str = "zo-stream", cores: list[int] | None = None) -> _CudaStream:
         return _CudaStream(self.device)  # the copy engines of the GPU: no host core to pin
@@ -464,6 +502,7 @@ class CudaAccelerator(Accelerator):
             torch.cuda.memory_allocated(self.device),
             torch.cuda.max_memory_allocated(self.device),
             self.capacity,
+            reserved=torch.cuda.memory_reserved(self.device),
         )
 
     def reset_peak(self) -> None:

@@ -142,8 +142,17 @@ class Engine:
             )
         self.params = self.states.params
         self.num_params = self.states.numel
-        for buf in model.buffers():  # buffers (masks, running stats) follow the model to the device
-            buf.data = buf.data.to(self.accelerator.device)
+        # Buffers (masks, running stats) and frozen parameters follow the model to the device, in the precision
+        # forward computes in: a GPU run would otherwise meet fp32 or host tensors among its fp16 ones.
+        for buf in model.buffers():
+            dtype = resident_dtype(buf, self.accelerator, self.states.dtype, parameter=False)
+            buf.data = buf.data.to(self.accelerator.device, dtype)
+        # Frozen ones are no model state (no gradient, no Adam, not sharded), but device memory all the same.
+        frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
+        for param in frozen.values():
+            dtype = resident_dtype(param, self.accelerator, self.states.dtype, parameter=True)
+            resident = self.accelerator.empty(param.shape, dtype, category="parameters")
+            param.data = resident.copy_(param.data)
         self.optimizer = self._build_optimizers(config)
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
         # The C Adam is only ever the host's optimizer of offloaded states (see _build_optimizers).
@@ -601,6 +610,20 @@ class Engine:
             if hasattr(self.states, "host_staging_bytes")
             else 0,
         )
+
+
+def resident_dtype(
+    tensor: torch.Tensor, accelerator: Accelerator, storage_dtype: torch.dtype, *, parameter: bool
+) -> torch.dtype:
+    """The dtype a buffer (`parameter=False`) or a frozen parameter keeps on the device.
+
+    Integer and bool tensors, and every tensor of an fp32 run, keep their own dtype. In an fp16/bf16 run a
+    frozen parameter is stored like the trained ones (the upcast hooks give it the compute precision where that
+    differs: the emulated device), and a floating-point buffer, which no hook upcasts, takes the compute dtype.
+    """
+    if not tensor.is_floating_point() or storage_dtype == torch.float32:
+        return tensor.dtype
+    return storage_dtype if parameter else accelerator.compute_dtype(storage_dtype)
 
 
 def _check_same_parameters(comm: Comm, model: torch.nn.Module) -> None:

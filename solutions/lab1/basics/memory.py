@@ -146,6 +146,20 @@ def estimate_model_states(
     return result
 
 
+def pinned_block_bytes(nbytes: int) -> int:
+    """What torch's pinned-memory caching allocator really takes for a request of `nbytes`: the next power of
+    two, so that freed blocks fit later requests (ATen's CachingHostAllocator, torch 2.13). A 300 MB pinned
+    buffer holds 512 MB of locked memory. (Past the allocator's `pinned_max_round_threshold` setting it
+    rounds no more; that setting is off unless PYTORCH_ALLOC_CONF sets it, so this ignores it.)"""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 1 else nbytes
+
+
+def held_bytes(tensor: torch.Tensor) -> int:
+    """Bytes the storage of `tensor` really holds: its size, rounded as the pinned allocator rounds it."""
+    nbytes = tensor.untyped_storage().nbytes()
+    return pinned_block_bytes(nbytes) if tensor.device.type == "cpu" and tensor.is_pinned() else nbytes
+
+
 class MemoryLedger:
     """Measures model-state bytes from the tensors (and swap files) that really hold them.
 
@@ -187,7 +201,7 @@ class MemoryLedger:
             if key in seen:
                 continue
             seen.add(key)
-            result.add(state, self._tier(tensor), storage.nbytes())
+            result.add(state, self._tier(tensor), held_bytes(tensor))
         for state, path in self._files:
             result.add(state, "nvme", os.path.getsize(path) if os.path.exists(path) else 0)
         return result
@@ -239,6 +253,7 @@ class MemoryReport:
         budget = "unlimited" if self.device.capacity is None else format_bytes(self.device.capacity)
         lines.append(
             f"device now {format_bytes(self.device.in_use)}, peak {format_bytes(self.device.peak)}, "
-            f"budget {budget} (peak includes activations and transient buffers)"
+            f"reserved {format_bytes(self.device.reserved)}, budget {budget} "
+            "(peak includes activations and transient buffers; the budget caps what is reserved)"
         )
         return "\n".join(lines)

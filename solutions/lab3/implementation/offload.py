@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from ..accelerator import Accelerator
+from ..basics.memory import held_bytes
 from ..basics.precision import has_overflow
 from ..principles.comm import Comm
 from ..principles.zero import ShardedStates, all_gather_unit, squared_norm
@@ -241,7 +242,9 @@ class OffloadedStates(ShardedStates):
 
     def _allocate_gradients(self, full_numel: int, shard_numel: int) -> None:
         host, device = self._placement()
-        if self.pipelined:  # module 5's pipeline clears it when first used (pageable: no memory until then)
+        # Module 5's pipeline clears it when first used. Pageable, it takes no memory until then; pinned, it is
+        # locked (and rounded up to a power of two) from the start.
+        if self.pipelined:
             self.flat_grad = host_buffer(
                 self.accel, sum(host), torch.float32, pin=self.pin_optimizer, zeroed=False
             )
@@ -382,9 +385,8 @@ class OffloadedStates(ShardedStates):
         if self.pipeline is not None:  # module 5's staging slots
             staging += self.pipeline.grad_slots.buffers
             staging += self.pipeline.weight_slots.buffers if self.pipeline.weight_slots else []
-        buffers = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in staging}
         if not self.offload_param and self.dtype != torch.float32:
-            buffers.update(
-                {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.param_staging}
-            )
+            staging += self.param_staging
+        # Per storage, as the allocator holds it (pinned blocks are rounded up): views share their buffer.
+        buffers = {t.untyped_storage().data_ptr(): held_bytes(t) for t in staging}
         return sum(buffers.values())

@@ -1,0 +1,169 @@
+"""The CUDA branches, checked on the CPU: torch.cuda's functions are replaced, and decisions are checked directly."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import zero_offload as zo
+from zero_offload.accelerator import Accelerator, CudaAccelerator, EmulatedAccelerator
+from zero_offload.basics.memory import (
+    MemoryLedger,
+    MemoryReport,
+    ModelStateBytes,
+    held_bytes,
+    pinned_block_bytes,
+)
+from zero_offload.engine import resident_dtype
+from zero_offload.implementation.offload import OffloadedStates
+from zero_offload.units import format_bytes
+
+MiB = 2**20
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda as a 1 GiB GPU that has allocated 3 MiB and reserved 8 MiB; records the calls made to it."""
+    calls = []
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**30))
+    monkeypatch.setattr(cuda, "set_per_process_memory_fraction", lambda f, d: calls.append(("fraction", f)))
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda d: calls.append(("reset_peak", d)))
+    monkeypatch.setattr(cuda, "memory_allocated", lambda d: 3 * MiB)
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda d: 5 * MiB)
+    monkeypatch.setattr(cuda, "memory_reserved", lambda d: 8 * MiB)
+    return calls
+
+
+def _cuda_oom(*args, **kwargs):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+
+# -- 6: buffers and frozen parameters on the device, in the right precision ---------------------------------------
+def test_resident_dtype_on_a_gpu_is_the_training_precision():
+    gpu = Accelerator()  # computes in the storage dtype, as CudaAccelerator does
+    fp32, fp64 = torch.zeros(2), torch.zeros(2, dtype=torch.float64)
+    for storage in (torch.float16, torch.bfloat16):
+        assert resident_dtype(fp32, gpu, storage, parameter=False) == storage
+        assert resident_dtype(fp32, gpu, storage, parameter=True) == storage
+        for other in (torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.bool)):
+            assert resident_dtype(other, gpu, storage, parameter=False) == other.dtype
+    # fp32 runs keep the model's own dtypes, as before.
+    assert resident_dtype(fp64, gpu, torch.float32, parameter=False) == torch.float64
+
+
+def test_resident_dtype_on_the_emulated_device_keeps_buffers_in_fp32():
+    emulated = EmulatedAccelerator()
+    fp32 = torch.zeros(2)
+    assert resident_dtype(fp32, emulated, torch.float16, parameter=False) == torch.float32  # as before
+    # Stored like the trained weights: the upcast hooks compute with it in fp32.
+    assert resident_dtype(fp32, emulated, torch.float16, parameter=True) == torch.float16
+
+
+class _PartlyFrozen(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen = torch.nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.head = torch.nn.Linear(8, 1)
+        self.register_buffer("scale", torch.full((8,), 0.5))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        return self.head(torch.relu(self.frozen(x)) * self.scale)
+
+
+def test_fp16_run_with_a_frozen_layer_and_buffers():
+    torch.manual_seed(0)
+    model = _PartlyFrozen()
+    frozen_before = model.frozen.weight.detach().clone()
+    accel = EmulatedAccelerator()
+    config = {
+        "train_batch_size": 4,
+        "fp16": {"enabled": True},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+    }
+    engine = zo.initialize(model, config, accelerator=accel)
+    trainable = 2 * sum(p.numel() for p in model.head.parameters())
+    frozen = 2 * sum(p.numel() for p in model.frozen.parameters())
+    assert engine.num_params == trainable // 2  # frozen weights are no model state
+    assert model.frozen.weight.dtype == torch.float16 and accel.is_on_device(model.frozen.weight)
+    assert accel.memory_stats().by_category["parameters"] >= trainable + frozen  # the device holds them
+    assert model.scale.dtype == torch.float32 and model.steps.dtype == torch.long
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        engine.backward(torch.nn.functional.mse_loss(engine(x).float(), x.sum(1, keepdim=True)))
+        engine.step()
+    assert all(torch.isfinite(p.float()).all() for p in model.parameters())
+    assert torch.equal(model.frozen.weight, frozen_before.half())
+    engine.close()
+
+
+# -- 7: the out-of-memory hint on every CUDA allocation path ------------------------------------------------------
+def test_stage3_gather_out_of_memory_names_the_fix(fake_cuda, monkeypatch):
+    accel = CudaAccelerator(index=0)
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", _cuda_oom)
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        accel.restore_storage(torch.zeros(4), "parameters")
+    assert "Tried to allocate 2.00 GiB" in str(err.value)
+    assert '"stage": 3' in str(err.value) and "offload_param" in str(err.value)
+
+
+def test_activation_out_of_memory_names_the_fix_once(fake_cuda):
+    accel = CudaAccelerator(index=0)
+    with pytest.raises(torch.OutOfMemoryError) as err, accel.activations(torch.float16):
+        _cuda_oom()
+    assert "train_micro_batch_size_per_gpu" in str(err.value)
+    # An allocation that named its own category keeps that hint.
+    with pytest.raises(torch.OutOfMemoryError) as err, accel.activations(torch.float16):
+        raise torch.OutOfMemoryError("CUDA out of memory.\nWhile allocating gradients. Hint: partition them.")
+    assert str(err.value).count("Hint:") == 1 and "gradients" in str(err.value)
+    with accel.activations(torch.float16):  # no error: nothing to do
+        pass
+
+
+# -- 8: the peak belongs to this engine; reserved memory is shown --------------------------------------------------
+def test_cuda_accelerator_resets_the_peak_and_reports_reserved(fake_cuda):
+    accel = CudaAccelerator(capacity=2**29, index=0)
+    assert ("fraction", 0.5) in fake_cuda and ("reset_peak", torch.device("cuda", 0)) in fake_cuda
+    stats = accel.memory_stats()
+    assert (stats.in_use, stats.peak, stats.reserved) == (3 * MiB, 5 * MiB, 8 * MiB)
+    report = MemoryReport(ModelStateBytes(), ModelStateBytes(), stats, "cuda", 0)
+    assert f"reserved {format_bytes(8 * MiB)}" in str(report)
+
+
+def test_emulated_device_reserves_what_it_uses():
+    accel = EmulatedAccelerator()
+    keep = accel.empty(MiB, torch.uint8, category="other")
+    stats = accel.memory_stats()
+    assert stats.reserved == stats.in_use == MiB
+    assert "reserved" in str(MemoryReport(ModelStateBytes(), ModelStateBytes(), stats, "emulated", 0))
+    del keep
+
+
+# -- 9: pinned host memory counted as the allocator holds it ------------------------------------------------------
+def test_pinned_blocks_round_up_to_a_power_of_two():
+    assert [pinned_block_bytes(n) for n in (0, 1, 2, 3, 4096, 4097)] == [0, 1, 2, 4, 4096, 8192]
+    assert pinned_block_bytes(300 * MiB) == 512 * MiB
+
+
+def test_ledger_and_staging_count_pinned_buffers_rounded(monkeypatch):
+    pageable = torch.empty(300)  # 1200 bytes
+    assert held_bytes(pageable) == 1200
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    assert held_bytes(pageable) == 2048
+    ledger = MemoryLedger(device="meta")
+    ledger.record("exp_avg", pageable)
+    assert ledger.measure().host == 2048
+    flat = torch.empty(300, dtype=torch.float16)  # 600 bytes, two views of one pinned block
+    states = SimpleNamespace(
+        grad_staging=[flat[:100], flat[100:]],
+        pipeline=None,
+        offload_param=False,
+        dtype=torch.float16,
+        param_staging=[torch.empty(50, dtype=torch.float16)],  # 100 bytes
+    )
+    assert OffloadedStates.host_staging_bytes(states) == 1024 + 128
