@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..implementation.checkpoint import _fsync_dir
+from ..implementation.checkpoint import _fsync_dir, _write_temp
 from ..units import format_bytes
 from .nvme_lock import LockedError, SwapLock
 
@@ -69,7 +69,7 @@ class SwapFiles:
         self.crcs: dict[Path, int] = {}  # what each file held when this process put it in place
         self.created: set[Path] = set()  # all that remove() may delete
         self._made_dir = False
-        self._tag = f"{os.getpid()}.{secrets.token_hex(4)}"  # temporaries no one else names
+        self._tag = f"{os.getpid()}.{secrets.token_hex(4)}"  # a probe file no one else names
 
     def path(self, group: int, state: str) -> Path:
         return self.dir / f"subgroup{group:05d}.{state}"
@@ -170,17 +170,10 @@ class SwapFiles:
         """Write `data` beside its file, flushed to the drive; returns (temporary, final, CRC-32) for commit()."""
         final = self.path(group, state)
         view = memoryview(data.numpy()).cast("B")
-        temp = final.with_name(f".{final.name}.{self._tag}.tmp")
-        fd = os.open(temp, _CREATE, 0o666)
+        temp = _write_temp(
+            final, lambda file: file.write(view)
+        )  # O_EXCL|O_NOFOLLOW, fsync'd, gone on failure
         self.created.add(temp)
-        try:
-            with open(fd, "wb") as file:
-                file.write(view)
-                file.flush()
-                os.fsync(file.fileno())
-        except BaseException:
-            self._unlink(temp)
-            raise
         return temp, final, zlib.crc32(view)
 
     def commit(self, written: list[tuple[Path, Path, int]]) -> None:
