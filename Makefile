@@ -60,8 +60,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests tools examples
 	$(VENV)/bin/ruff format --check src tests tools examples
 
-gpu-check: $(STAMP)
-	$(PY) tools/gpu_check.py
+# One prepared smoke test of the CUDA path, minutes on one GPU. It installs nothing: a bare checkout runs it with
+# the machine's own Python and torch. Without CUDA it says so and exits 0. Figures: out/gpu-check/results.json.
+gpu-check:
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(if $(wildcard $(PY)),$(PY),$(PYTHON)) tools/gpu_check.py
 
 clean:
 	rm -rf out .pytest_cache

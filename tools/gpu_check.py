@@ -1,183 +1,169 @@
-"""`make gpu-check`: exercise the CUDA path once and print its figures; without CUDA, say so and exit 0.
+"""`make gpu-check`: one prepared smoke test of the engine's CUDA path, a few minutes on one GPU.
 
-Checks: device allocation through the accelerator, pinned vs pageable host<->device copy bandwidth, a copy on a
-side stream ordered by an event, the real out-of-memory error under a budget, a few engine steps in real fp16,
-ZeRO-3's freed-and-restored layers, CPU offload with pinned host buffers against the same run on the device, and
-module 5's serial, overlapped and delayed steps (the overlapped one must give the serial weights bit for bit).
+    python tools/gpu_check.py [--out out/gpu-check] [--only NAME,NAME] [--emulated]
+
+Each check runs on its own: a failing one is recorded with its error and the rest still run. The figures are
+printed as they come and written, after every check, to OUT/results.json. Exit status 1 if any check failed.
+Without torch, or without a CUDA device, it says so in one line and exits 0.
+
+--emulated runs the engine checks on the emulated device with tiny models, so that the script itself is tested
+on machines without a GPU; the checks that need CUDA are recorded as skipped.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import json
+import math
+import os
 import sys
+import tempfile
 import time
+import traceback
+from pathlib import Path
 
-import torch
+HERE = Path(__file__).resolve().parent
+# A bare checkout on the GPU machine has no installed package: the helpers and src/ are found from here.
+if str(HERE) not in sys.path:
+    sys.path.append(str(HERE))
+if importlib.util.find_spec("zero_offload") is None:
+    sys.path.insert(0, str(HERE.parent / "src"))
+
+CHECKS = (  # name, helper module, function: looked up when run, so a test can replace one
+    ("configurations", "gpu_check_runs", "check_configurations"),
+    ("overlap_equal", "gpu_check_runs", "check_overlap_equal"),
+    ("dpu_race", "gpu_check_runs", "check_dpu_race"),
+    ("oom_hint", "gpu_check_device", "check_oom"),
+    ("bandwidth", "gpu_check_device", "check_bandwidth"),
+    ("adam_vs_gpu", "gpu_check_device", "check_adam_vs_gpu"),
+    ("serial_vs_overlap", "gpu_check_device", "check_serial_vs_overlap"),
+    # Last: the slowest, and the one most likely to run long.
+    ("sanitizer", "gpu_check_device", "check_sanitizer"),
+)
 
 
-def _bandwidth_gbs(dst: torch.Tensor, src: torch.Tensor, repeats: int = 10) -> float:
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="out/gpu-check", help="directory for results.json")
+    parser.add_argument("--emulated", action="store_true", help="run on the emulated CPU device, tiny models")
+    parser.add_argument(
+        "--only", default="", help="comma-separated check names: " + ", ".join(c[0] for c in CHECKS)
+    )
+    parser.add_argument("--budget", type=float, default=290.0,
+                        help="seconds for the whole run; checks not started by then are skipped")  # fmt: skip
+    parser.add_argument("--sanitizer-child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    names = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(names) - {c[0] for c in CHECKS})
+    if unknown:
+        parser.error(f"unknown check(s) {', '.join(unknown)}; choose from {', '.join(c[0] for c in CHECKS)}")
+    return args, names
+
+
+def describe_error(err: BaseException) -> str:
+    """The error in two lines at most: its type and first line, and where in the project it was raised."""
+    text = str(err).strip().splitlines()
+    head = f"{type(err).__name__}: {text[0][:300] if text else ''}"
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if "site-packages" not in f.filename]
+    if frames:
+        head += f"\n  at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}"
+    return head
+
+
+def plain(value):
+    """JSON without NaN or Infinity tokens, which strict readers refuse: a non-finite figure becomes a string."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def run_check(name: str, module: str, function: str, setup) -> dict:
     started = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    return src.numel() * src.element_size() * repeats / (time.perf_counter() - started) / 1e9
-
-
-def copies(accel) -> None:
-    """Pinned vs pageable bandwidth both ways, and a copy on a side stream ordered by its event."""
-    numel = 256 * 2**20  # 512 MiB of fp16
-    dev = accel.empty(numel, torch.float16, category="parameters")
-    pinned = accel.host_empty(numel, torch.float16, pin=True)
-    pageable = torch.empty(numel, dtype=torch.float16)
-    for name, host in (("pinned", pinned), ("pageable", pageable)):
-        print(
-            f"{name:>8}: H2D {_bandwidth_gbs(dev, host):6.1f} GB/s, D2H {_bandwidth_gbs(host, dev):6.1f} GB/s"
-        )
-    stream = accel.new_stream()
-    dev.fill_(1.5)
-    done = stream.submit(lambda: pinned.copy_(dev, non_blocking=True))
-    done.wait()
-    assert float(pinned[-1]) == 1.5, "the side-stream copy did not land before its event"
-    print("stream + event: copy on a side stream completed and was ordered by its event")
-
-
-def offload(accel, data) -> bool:
-    """ZeRO-2 + CPU offload (pinned) and stage 3 + offload_param on a real GPU: states on the host, same losses."""
-    from zero_offload import initialize
-    from zero_offload.workloads import TinyGPT, lm_loss
-
-    pinned = {"device": "cpu", "pin_memory": True}
-    runs = {
-        "stage 0": {"stage": 0},
-        "stage 2 + offload": {"stage": 2, "offload_optimizer": pinned},
-        "stage 3 + offload_param": {"stage": 3, "offload_optimizer": pinned, "offload_param": pinned},
-    }
-    losses, ok = {}, True
-    for name, zero in runs.items():
-        config = {"train_batch_size": 16, "fp16": {"enabled": True}, "zero_optimization": zero}
-        engine = initialize(TinyGPT("small"), config, accelerator=accel)
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        losses[name] = []
-        for step in range(10):
-            x, y = data.global_batch(step, 16)
-            loss = lm_loss(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            losses[name].append(loss.item())
-        torch.cuda.synchronize()
-        ms = (time.perf_counter() - started) / 10 * 1000
-        line = f"{name:<24} {ms:7.1f} ms/step, loss {losses[name][0]:.4f} -> {losses[name][-1]:.4f}"
-        if zero.get("offload_optimizer"):
-            states = engine.states
-            on_host = not states.master.is_cuda and states.master.is_pinned() and not states.exp_avg.is_cuda
-            moved = {k: v / 10 / engine.num_params for k, v in states.transfers.bytes.items()}
-            line += f", host states pinned: {on_host}, PCIe bytes/param/step {moved}"
-            ok &= on_host
-        print(line)
-    gap = max(abs(a - b) for a, b in zip(losses["stage 0"], losses["stage 2 + offload"], strict=True))
-    print(f"largest loss gap, offload vs device: {gap:.2e} (fp16 rounding)")
-    return ok and gap < 1e-2
-
-
-def pipeline(accel, data) -> bool:
-    """Module 5 on a real GPU: serial vs overlapped (CUDA copy stream, pinned slots) vs DPU, in fp16."""
-    from zero_offload import initialize
-    from zero_offload.workloads import TinyGPT, lm_loss
-
-    schedules = {
-        "serial": {},
-        "overlapped": {"overlap_offload": True},
-        "delayed (DPU)": {
-            "overlap_offload": True,
-            "delayed_param_update": {"enabled": True, "start_step": 3},
-        },
-    }
-    weights = {}
-    for name, extension in schedules.items():
-        config = {"train_batch_size": 4, "fp16": {"enabled": True}, "zero_offload": extension,
-                  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                                        "reduce_bucket_size": 2_000_000, "overlap_comm": True}}  # fmt: skip
-        engine = initialize(TinyGPT("10m"), config, accelerator=accel)
-        times = []
-        for step in range(12):
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            x, y = data.global_batch(step, 4)
-            engine.backward(lm_loss(engine(x), y))
-            engine.step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - started)
-        engine.synchronize()
-        weights[name] = [p.detach().clone() for p in engine.model.parameters()]
-        print(f"{name:<16} {sorted(times[4:])[4] * 1000:7.1f} ms/step (median of the last 8)")
-    same = all(torch.equal(a, b) for a, b in zip(weights["serial"], weights["overlapped"], strict=True))
-    print(f"overlapped weights equal the serial step's bit for bit: {same}")
-    return same
-
-
-def main() -> int:
-    if not torch.cuda.is_available():
-        print(
-            "gpu-check: no CUDA device visible to torch; nothing to check (the emulated device needs none)."
-        )
-        return 0
-    from zero_offload import initialize
-    from zero_offload.accelerator import get_accelerator
-    from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss, load_corpus
-
-    accel = get_accelerator()
-    props = torch.cuda.get_device_properties(accel.device)
-    print(f"device: {props.name}, {props.total_memory / 2**30:.1f} GiB, torch {torch.__version__}")
-
-    copies(accel)
-    torch.cuda.empty_cache()
-
-    budgeted = get_accelerator(2**30)
     try:
-        budgeted.empty(2 * 2**30, torch.uint8, category="optimizer_states")
-        print("out-of-memory: NOT raised under a 1 GiB budget", file=sys.stderr)
-        return 1
-    except torch.OutOfMemoryError as err:
-        print(f"out-of-memory under a 1 GiB budget, as expected:\n  {str(err).splitlines()[-1]}")
-    torch.cuda.set_per_process_memory_fraction(1.0, budgeted.device)
+        result = getattr(importlib.import_module(module), function)(setup)
+        status = result.get("status") or ("failed" if result.get("problems") else "passed")
+        result = {"status": status, **{k: v for k, v in result.items() if k != "status"}}
+    except Exception as err:  # recorded, and the next check runs
+        result = {"status": "failed", "error": describe_error(err)}
+    result["seconds"] = round(time.perf_counter() - started, 2)
+    return result
 
-    model = TinyGPT("small")
-    engine = initialize(model, {"train_batch_size": 16, "fp16": {"enabled": True}}, accelerator=accel)
-    data = ByteBatches(load_corpus(), model.cfg.seq_len)
-    losses = []
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for step in range(20):
-        x, y = data.global_batch(step, 16)
-        loss = lm_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    torch.cuda.synchronize()
-    print(
-        f"engine, real fp16 on {accel.device}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-        f"{(time.perf_counter() - started) / 20 * 1000:.1f} ms/step, {engine.skipped_steps} skipped"
-    )
-    print(engine.memory_report())
 
-    # ZeRO-3 on one GPU: layers gathered into freed-and-restored CUDA storage, released after use.
-    model = TinyGPT("small")
-    engine = initialize(
-        model,
-        {"train_batch_size": 16, "fp16": {"enabled": True}, "zero_optimization": {"stage": 3}},
-        accelerator=accel,
-    )
-    for step in range(5):
-        x, y = data.global_batch(step, 16)
-        engine.backward(lm_loss(engine(x), y))
-        engine.step()
-    gathered = sum(unit.gathered for unit in engine.states.units)
-    print(f"stage 3: {len(engine.states.units)} units, {gathered} still gathered after the step (want 0)")
-    offloaded = offload(accel, data)
-    overlapped = pipeline(accel, data)
-    return 0 if gathered == 0 and offloaded and overlapped else 1
+def make_setup(args, scratch: Path, deadline: float):
+    from gpu_check_device import accelerator
+    from gpu_check_runs import Setup
+
+    if args.emulated:
+        return Setup(accelerator(True), True, "nano", "tiny", 4, 4, scratch, 20_000, deadline)
+    return Setup(accelerator(False), False, "small", "100m", 16, 10, scratch, 1_000_000, deadline)
+
+
+def main(argv=None) -> int:
+    args, only = parse_args(argv)
+    deadline = time.monotonic() + args.budget
+    try:
+        import torch
+    except Exception as err:
+        print(f"gpu-check: torch cannot be imported ({err}); nothing to check.")
+        return 0
+    if not args.emulated and not torch.cuda.is_available():
+        print(f"gpu-check: torch {torch.__version__} sees no CUDA device; nothing to check (--emulated tries "
+              "the checks on the emulated CPU device).")  # fmt: skip
+        return 0
+    if not args.emulated:
+        # cuBLAS reads this when it starts; without it a deterministic run refuses cuBLAS matmuls.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if args.sanitizer_child:
+        from gpu_check_device import sanitizer_child
+
+        return sanitizer_child()
+    from gpu_check_device import environment
+    from gpu_check_runs import say
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        env = environment(args.emulated)
+    except Exception as err:  # the checks may still tell what is wrong
+        env = {"error": describe_error(err)}
+    results = {"environment": env, "checks": {}}
+    kernel = env.get("c_kernel", {}).get("variant") or "unavailable (torch's Adam instead)"
+    say(f"gpu-check on {env.get('device')}: torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"CPU {env.get('cpu_model')}, cffi {env.get('cffi')}, C Adam {kernel}")  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
+        setup = make_setup(args, Path(scratch), deadline)
+        for name, module, function in CHECKS:
+            if only and name not in only:
+                continue
+            say(f"[{name}]")
+            if time.monotonic() > deadline:
+                result = {
+                    "status": "skipped",
+                    "reason": f"skipped: the run's budget of {args.budget:.0f} s was spent",
+                    "seconds": 0.0,
+                }
+            else:
+                result = run_check(name, module, function, setup)
+            results["checks"][name] = result
+            if result["status"] != "passed":
+                detail = result.get("error") or result.get("reason") or "; ".join(result.get("problems", []))
+                say(
+                    f"  -> {detail}"
+                    if detail.startswith(result["status"])
+                    else f"  -> {result['status']}: {detail}"
+                )
+            (out / "results.json").write_text(json.dumps(plain(results), indent=1) + "\n")
+    failed = [name for name, result in results["checks"].items() if result["status"] == "failed"]
+    results["failed"] = failed
+    (out / "results.json").write_text(json.dumps(plain(results), indent=1) + "\n")
+    say(f"gpu-check: {len(results['checks']) - len(failed)} of {len(results['checks'])} checks passed or skipped"
+        f"{', failed: ' + ', '.join(failed) if failed else ''}; figures in {out / 'results.json'}")  # fmt: skip
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
