@@ -125,6 +125,29 @@ def test_activation_out_of_memory_names_the_fix_once(fake_cuda):
         pass
 
 
+class _RunsOutInBackward(torch.autograd.Function):
+    """Identity forward; its backward fails the way CUDA does when autograd's own buffers do not fit."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _cuda_oom()
+
+
+def test_backward_out_of_memory_names_the_fix():
+    model = torch.nn.Linear(4, 4)
+    engine = zo.initialize(model, {"train_batch_size": 1}, accelerator=EmulatedAccelerator())
+    loss = _RunsOutInBackward.apply(engine(torch.ones(1, 4))).sum()
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        engine.backward(loss)
+    assert "Tried to allocate 2.00 GiB" in str(err.value)
+    assert "activation_checkpointing" in str(err.value) and "train_micro_batch_size_per_gpu" in str(err.value)
+    engine.close()
+
+
 # -- 8: the peak belongs to this engine; reserved memory is shown --------------------------------------------------
 def test_cuda_accelerator_resets_the_peak_and_reports_reserved(fake_cuda):
     accel = CudaAccelerator(capacity=2**29, index=0)

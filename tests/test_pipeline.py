@@ -15,6 +15,7 @@ import pytest
 import torch
 from corpus import fixed_corpus
 from distributed import check, run_ranks
+from interleave import held_until_quiet
 from training import BATCH, SEQ, make_config, train_run
 
 import zero_offload as zo
@@ -407,3 +408,30 @@ def test_compare_schedules_pairs_each_round_and_trains_the_same_model_three_ways
     assert losses["delayed (DPU)"][:2] == losses["serial"][:2]  # the delayed update's warm-up steps are exact
     with pytest.raises(ValueError, match="'split' or 'shared'"):
         compare_schedules("nano", cores="both")
+
+
+@pytest.mark.parametrize(("precision", "impl"), [("fp32", "torch"), ("fp16", "simd"), ("bf16", "simd")])
+def test_the_delayed_adam_waits_for_the_uploads_that_read_what_it_rewrites(precision, impl):
+    """Publishing uploads the new weights by DMA from pinned memory (the fp32 master itself, or the staging buffer
+    the one-pass Adam rounds into), and the next Adam, launched right after, rewrites that memory. Here the link is
+    held at every step until the host has run all it can: an Adam that does not wait for the uploads has then
+    rewritten their source, and the device gets the next step's weights one step early."""
+    dpu = {"delayed_param_update": {"enabled": True, "start_step": 0}}
+
+    def engine(pin):
+        offload = {"device": "cpu", "pin_memory": pin}
+        return _engine(_config(2, precision, impl=impl, ext=dpu, offload_optimizer=offload))
+
+    pinned, pageable = engine(True), engine(False)  # pageable copies have read their source when they return
+    data = ByteBatches(fixed_corpus(), SEQ, seed=11)
+    for step in range(4):
+        x, y = data.micro_batch(step, BATCH, micro_step=0, rank=0, world_size=1, accumulation=1)
+        for run in (pinned, pageable):
+            run.backward(lm_loss(run(x), y))
+        with held_until_quiet(pinned.accelerator.dma, pinned._host_queue):
+            pinned.step()
+        pageable.step()
+        want = {n: p.detach().clone() for n, p in pageable.model.named_parameters()}
+        got = {n: p.detach().clone() for n, p in pinned.model.named_parameters()}
+        assert not _same_weights(got, want), f"step {step}: the device's weights were torn by the next Adam"
+    assert pinned.states.master.untyped_storage().data_ptr() in pinned.accelerator._pinned

@@ -17,11 +17,11 @@ import functools
 import os
 import threading
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
+from .streams import CudaStream, Event, WorkerStream, on_worker_stream
 from .units import format_bytes, parse_bytes
 
 # What to change when a category of device memory runs out. The engine names the category it allocates,
@@ -61,7 +61,7 @@ def hinted_oom(err: torch.OutOfMemoryError, category: str) -> torch.OutOfMemoryE
     return torch.OutOfMemoryError(f"{err}\nWhile allocating {category}. Hint: {offload_hint(category)}.")
 
 
-class _HintOnOutOfMemory(contextlib.AbstractContextManager):
+class HintOnOutOfMemory(contextlib.AbstractContextManager):
     """Re-raises an out-of-memory error from inside the block as `hinted_oom(err, category)`."""
 
     def __init__(self, category: str):
@@ -103,92 +103,6 @@ class MemoryStats:
     reserved: int = 0
 
 
-class Event:
-    """Completion of work submitted to a stream: `wait()` blocks the host until it is done."""
-
-    def __init__(self, future: Future | None = None, cuda_event: torch.cuda.Event | None = None):
-        self._future, self._cuda_event = future, cuda_event
-
-    def wait(self) -> None:
-        if self._cuda_event is not None:
-            self._cuda_event.synchronize()
-        elif self._future is not None:
-            self._future.result()  # re-raises an exception from the stream's worker
-
-    def done(self) -> bool:
-        if self._cuda_event is not None:
-            return self._cuda_event.query()
-        return self._future is None or self._future.done()
-
-
-class _WorkerStream:
-    """The emulated device's stream: one worker thread that runs its queue in order.
-
-    Torch kernels release the GIL, so a copy on one stream really overlaps compute on another.
-    """
-
-    waits_without_blocking = True  # wait_event() returns at once: the worker thread does the waiting
-
-    def __init__(self, name: str, cores: list[int] | None = None):
-        # Pinned to `cores` if given; threads it starts (the C Adam's) inherit the pinning.
-        pin = dict(initializer=os.sched_setaffinity, initargs=(0, cores)) if cores else {}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, **pin)
-        self._waits: list[Event] = []
-
-    def wait_event(self, event: Event) -> None:
-        """Work submitted after this call starts only once `event` has completed."""
-        self._waits.append(event)
-
-    def submit(self, fn, *args, **kwargs) -> Event:
-        waits, self._waits = self._waits, []
-
-        def run():
-            for event in waits:
-                event.wait()
-            return fn(*args, **kwargs)
-
-        return Event(future=self._pool.submit(run))
-
-    def synchronize(self) -> None:
-        self.submit(lambda: None).wait()
-
-    def close(self) -> None:
-        """Run what is queued, then stop the worker thread; the stream takes no more work."""
-        self._pool.shutdown(wait=True)
-
-
-class _CudaStream:
-    """A CUDA stream: `submit` enqueues the kernels of `fn` on it and records an event after them."""
-
-    # Waiting for a CUDA event is enqueued on the stream; waiting for a host thread's work blocks the caller.
-    waits_without_blocking = False
-
-    def __init__(self, device: torch.device):
-        self._stream = torch.cuda.Stream(device=device)
-
-    def wait_event(self, event: Event) -> None:
-        if event._cuda_event is not None:
-            self._stream.wait_event(event._cuda_event)
-        else:
-            event.wait()
-
-    def submit(self, fn, *args, **kwargs) -> Event:
-        # Same contract as the emulated stream: the work sees everything the caller enqueued before it.
-        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
-        with torch.cuda.stream(self._stream):
-            fn(*args, **kwargs)
-            cuda_event = torch.cuda.Event()
-            cuda_event.record(self._stream)
-        return Event(cuda_event=cuda_event)
-
-    def synchronize(self) -> None:
-        self._stream.synchronize()
-
-    def close(self) -> None:
-        """Wait for what is queued; a CUDA stream has no thread of its own to stop."""
-        self._stream.synchronize()
-
-
 class Accelerator:
     """Base class: what the engine may ask of a device. Subclasses: `CudaAccelerator`, `EmulatedAccelerator`."""
 
@@ -206,6 +120,21 @@ class Accelerator:
 
     def is_on_device(self, tensor: torch.Tensor) -> bool:
         raise NotImplementedError
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False) -> None:
+        """`dst.copy_(src)` across the link. `non_blocking`: from or into pinned memory the copy may still be
+        running when this returns; the host must not rewrite `src` (or read a host `dst`) before an event
+        recorded after it (`record_event`) has completed."""
+        dst.copy_(src)
+
+    def record_event(self) -> Event:
+        """An event that completes once the device work this thread has queued so far (its non-blocking copies
+        included) has finished: what the host waits for before it rewrites a buffer such a copy reads."""
+        return Event()
+
+    def fence_copies(self) -> None:
+        """Order the host thread's later writes to device memory after its non-blocking copies. A GPU's stream
+        does this by itself; the emulated device, whose "kernels" are the host thread's own, waits here."""
 
     def free_storage(self, tensor: torch.Tensor) -> None:
         """Give back the memory of a device tensor but keep the tensor (its shape, its views, autograd's
@@ -228,9 +157,6 @@ class Accelerator:
 
     def reset_peak(self) -> None:
         raise NotImplementedError
-
-    def synchronize(self) -> None:
-        pass
 
     def activations(self, storage_dtype: torch.dtype = torch.float32):
         """Context manager under which tensors saved for backward are charged to the device."""
@@ -283,6 +209,8 @@ class EmulatedAccelerator(Accelerator):
         self._in_use = self._peak = 0
         # storage data_ptr of a compute copy -> the weight it was upcast from
         self._compute_copies: dict[int, torch.Tensor | None] = {}
+        self._pinned: set[int] = set()  # storage data_ptr of host buffers asked for as pinned
+        self._dma: WorkerStream | None = None  # the link's copy engine, made on first use
 
     # -- the budget -------------------------------------------------------------------------------------------
     def _charge(self, nbytes: int, category: str) -> None:
@@ -340,6 +268,48 @@ class EmulatedAccelerator(Accelerator):
     def is_on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() in self._by_storage
 
+    # -- copies as asynchronous as a GPU's ----------------------------------------------------------------------
+    def host_empty(self, shape, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
+        # Nothing is page-locked here, but a buffer asked for as pinned is remembered: copies from it are the
+        # ones a GPU runs by DMA, after the call that launched them has returned.
+        tensor = torch.empty(shape, dtype=dtype)
+        if pin:
+            storage = tensor.untyped_storage()
+            self._pinned.add(storage.data_ptr())
+            weakref.finalize(storage, self._pinned.discard, storage.data_ptr())
+        return tensor
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False) -> None:
+        """A non-blocking upload from a pinned buffer is done twice. At once, because every later reader on the
+        device is ordered after the copy (on a GPU, by its stream). And again when the link's copy queue gets to
+        it, which is when a GPU's DMA engine may really read the source: if the host has rewritten the source
+        in between, that is what lands, as it would on a GPU. Correct code never rewrites it before
+        `record_event()` says the copy is done, so there the second copy writes the same bytes.
+        On a stream's own thread the copy is already ordered on that stream, and is done once."""
+        dst.copy_(src)
+        uploading = self.is_on_device(dst) and not self.is_on_device(src)
+        if non_blocking and uploading and src.untyped_storage().data_ptr() in self._pinned:
+            if not on_worker_stream():
+                self._dma_queue().submit(_copy_again, weakref.ref(dst), src)
+
+    def _dma_queue(self) -> WorkerStream:
+        with self._lock:
+            if self._dma is None:
+                self._dma = WorkerStream("zo-dma")
+            return self._dma
+
+    @property
+    def dma(self) -> WorkerStream:
+        """The queue on which the emulated link runs its non-blocking copies (tests hold it)."""
+        return self._dma_queue()
+
+    def record_event(self) -> Event:
+        return self._dma.submit(lambda: None) if self._dma is not None else Event()
+
+    def fence_copies(self) -> None:
+        if self._dma is not None:
+            self._dma.synchronize()
+
     def free_storage(self, tensor: torch.Tensor) -> None:
         allocation = self._by_storage.get(tensor.untyped_storage().data_ptr())
         if allocation is None:
@@ -360,8 +330,8 @@ class EmulatedAccelerator(Accelerator):
         # the emulated device stores fp16/bf16 but computes in fp32.
         return torch.float32
 
-    def new_stream(self, name: str = "zo-stream", cores: list[int] | None = None) -> _WorkerStream:
-        return _WorkerStream(name, cores)
+    def new_stream(self, name: str = "zo-stream", cores: list[int] | None = None) -> WorkerStream:
+        return WorkerStream(name, cores)
 
     def memory_stats(self) -> MemoryStats:
         with self._lock:
@@ -381,6 +351,12 @@ class EmulatedAccelerator(Accelerator):
 
     def activations(self, storage_dtype: torch.dtype = torch.float32):
         return _ChargeSavedTensors(self, storage_dtype)
+
+
+def _copy_again(target: weakref.ref, src: torch.Tensor) -> None:
+    dst = target()
+    if dst is not None:  # a destination nobody holds any more cannot be read, so nothing to redo
+        dst.copy_(src)
 
 
 class _ChargeSavedTensors(torch.autograd.graph.saved_tensors_hooks):
@@ -484,18 +460,27 @@ class CudaAccelerator(Accelerator):
     def is_on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda
 
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False) -> None:
+        # Only pinned memory can be copied by DMA; from pageable memory torch's copy returns once it has read it.
+        dst.copy_(src, non_blocking=non_blocking and (src.is_pinned() or dst.is_pinned()))
+
+    def record_event(self) -> Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return Event(cuda_event=event)
+
     def free_storage(self, tensor: torch.Tensor) -> None:
         tensor.untyped_storage().resize_(0)
 
     def restore_storage(self, tensor: torch.Tensor, category: str = "parameters") -> None:
-        with _HintOnOutOfMemory(category):  # stage 3's gathers: the largest allocations of a step
+        with HintOnOutOfMemory(category):  # stage 3's gathers: the largest allocations of a step
             tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
 
     def activations(self, storage_dtype: torch.dtype = torch.float32):
-        return _HintOnOutOfMemory("activations")
+        return HintOnOutOfMemory("activations")
 
-    def new_stream(self, name: str = "zo-stream", cores: list[int] | None = None) -> _CudaStream:
-        return _CudaStream(self.device)  # the copy engines of the GPU: no host core to pin
+    def new_stream(self, name: str = "zo-stream", cores: list[int] | None = None) -> CudaStream:
+        return CudaStream(self.device)  # the copy engines of the GPU: no host core to pin
 
     def memory_stats(self) -> MemoryStats:
         return MemoryStats(
@@ -507,9 +492,6 @@ class CudaAccelerator(Accelerator):
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
 
 
 def wants_cuda() -> bool:

@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from .accelerator import Accelerator, get_accelerator
+from .accelerator import Accelerator, HintOnOutOfMemory, get_accelerator
 from .basics.adam import Adam
 from .basics.memory import MemoryLedger, MemoryReport, estimate_model_states
 from .basics.precision import (
@@ -40,6 +40,7 @@ from .practice.timeline import Span, Timeline, plot_timeline
 from .principles.comm import Comm, join_launcher_group
 from .principles.recompute import checkpoint_blocks
 from .principles.zero import ShardedStates
+from .streams import Event
 from .tuning.build import CompilerNotFound
 from .tuning.cpu_adam import CPUAdam, one_pass_offload_step
 from .tuning.partial import SplitOptimizer, estimate_partial_offload
@@ -165,7 +166,7 @@ class Engine:
         if config.activation_checkpointing.enabled:
             checkpoint_blocks(model, self.accelerator, self.states.dtype)
         # Module 5: when each stage ran (practice/timeline.py); the collectives and copies record themselves.
-        self._timeline = Timeline()
+        self._timeline = Timeline(accelerator=self.accelerator)
         self.comm.timeline = self._timeline
         if isinstance(self.states, OffloadedStates):
             self.states.transfers.timeline = self._timeline
@@ -337,7 +338,8 @@ class Engine:
         skip = self._nonfinite_loss(loss)
         self.states.before_backward()  # and after_backward: stage 3 releases what forward gathered
         if not skip:
-            with self._timeline.span("backward"):
+            # Autograd's own buffers (activation gradients, recomputed layers) run out here, with torch's bare text.
+            with self._timeline.span("backward"), HintOnOutOfMemory("activations"):
                 (loss.float() * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
         self.states.after_backward()
         self.micro_steps += 1
@@ -389,6 +391,7 @@ class Engine:
         diverged = self.skip_guard.after_step(self.global_steps + 1, skip, scaler)  # before the scale moves
         scaler.update(skip is not None)
         states.zero_grad()
+        self.accelerator.fence_copies()  # the user's next write to a parameter lands after this step's uploads
         self.global_steps += 1
         self._timeline.step = self.global_steps
         self.history.append(record)
@@ -478,17 +481,20 @@ class Engine:
             pipeline.upload_during_backward(in_flight)
         return skip
 
-    def _publish_delayed(self) -> None:
+    def _publish_delayed(self) -> Event:
+        """Publish the update that has landed; the event of its uploads, which read what the next Adam writes."""
         if self._pipeline is not None:  # the units whose new weights went up during backward already
             self.states.uploaded_units = self._pipeline.take_early_uploads()
         self.states.publish()
         if self.lr_scheduler is not None:  # the update that just landed read the old rate: move on now
             self.lr_scheduler.step()
+        return self.accelerator.record_event()
 
     def synchronize(self) -> None:
         """Finish a delayed update still in flight and publish its weights (checkpoints call this)."""
         if self._delayed is not None:
             self._delayed.finish(self._publish_delayed)
+            self.accelerator.fence_copies()
 
     def zero_grad(self) -> None:
         self.states.zero_grad()

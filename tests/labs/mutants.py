@@ -510,9 +510,32 @@ MUTANTS.update(
                 "the slot is handed back when the copy lands, before the host has read it",
                 (_CODE + "self.grad_slots.release(slot, done)", _CODE + "self.grad_slots.release(slot, down)"),
             ),
+            (
+                "the host queue, not the copy stream that writes the slot, waits for its reader",
+                (
+                    _CODE + "slot, staging = self.grad_slots.acquire(self.copy, shard.numel())",
+                    _CODE + "slot, staging = self.grad_slots.acquire(self.host, shard.numel())",
+                ),
+            ),
+            (
+                "the host's work is queued before the host is told to wait for the copy",
+                """
+            slot, staging = self.grad_slots.acquire(self.copy, shard.numel())
+            down = self.copy.submit(transfers.to_host, staging, shard, blocking=False)
+            done = self._take_gradient(index, staging)
+            self.host.wait_event(down)
+            self.grad_slots.release(slot, done)
+            self._keep_until(shard, down)
+        """,
+            ),
         ],
         "5.2": [
             ("never waits for the slot's reader", ("writer.wait_event(reader)", "pass")),
+            (
+                "waits for the other slot's reader",
+                ("reader = self._readers[slot]", "reader = self._readers[(slot + 1) % len(self.buffers)]"),
+            ),
+            ("blocks the caller instead of the writer", ("writer.wait_event(reader)", "reader.wait()")),
             (
                 "hands out the whole buffer, not a view of the shard's size",
                 ("self.buffers[slot][:numel]", "self.buffers[slot]"),
@@ -525,6 +548,8 @@ MUTANTS.update(
             self.finish(publish)
             if skip:
                 return
+            if self.uploads is not None:
+                self.host.wait_event(self.uploads)
             self.in_flight = self.host.submit(adam, grads)
         """,
             ),
@@ -538,6 +563,8 @@ MUTANTS.update(
                 self.snapshot = [torch.empty_like(g) for g in grads]
             for saved, grad in zip(self.snapshot, grads, strict=True):
                 saved.copy_(grad)
+            if self.uploads is not None:
+                self.host.wait_event(self.uploads)
             self.in_flight = self.host.submit(adam, self.snapshot)
         """,
             ),
@@ -547,6 +574,8 @@ MUTANTS.update(
             if skip:
                 self.finish(publish)
                 return
+            if self.uploads is not None:
+                self.host.wait_event(self.uploads)
             if self.copy_gradients:
                 if self.snapshot is None:
                     self.snapshot = [torch.empty_like(g) for g in grads]
@@ -566,6 +595,10 @@ MUTANTS.update(
                 ),
             ),
             ("a skipped step still launches", ("if skip:", "if False:")),
+            (
+                "Adam is launched while publish's uploads still read what it rewrites",
+                ("self.host.wait_event(self.uploads)", "pass"),
+            ),
         ],
     }
 )

@@ -1,18 +1,18 @@
 """Lab 5 (practice 实战篇): graded tests. `make lab5` grades your files, `make lab5 LAB_DIR=solutions` the reference.
 
 Overlap bugs are races: a wrong schedule often gives the right answer because the other thread happened to be
-fast. These tests take luck out of it. A "gate" holds a stream shut until the test opens it, and a slow link
-or a slow host delays one side on purpose, so a missing wait reads the wrong data every time. The engine tests
-train the nano GPT: the overlapped pipeline must give the serial step's weights bit for bit, and the delayed
-update must match a one-step-stale reference written in plain torch. Correct versions of the other tasks
-stand in for yours, so one unfinished task cannot fail another.
+fast. These tests take luck out of it. A "gate" holds a stream shut until the test opens it, and a "hold" keeps
+one queue from starting anything while the test lets the other run as far as its waits allow: a missing or wrong
+wait then reads (or overwrites) the wrong data every time, on any machine. The engine tests train the nano GPT:
+the overlapped pipeline must give the serial step's weights bit for bit, and the delayed update must match a
+one-step-stale reference written in plain torch. Correct versions of the other tasks stand in for yours, so one
+unfinished task cannot fail another.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the corpus
 from corpus import fixed_corpus  # noqa: E402
+from interleave import held_until_quiet  # noqa: E402
 
 import zero_offload as zo  # noqa: E402
 from zero_offload.accelerator import EmulatedAccelerator  # noqa: E402
@@ -51,11 +52,15 @@ def _reference_step(self, grads, adam, publish, *, skip):
     self.finish(publish)
     if skip:
         return
-    if self.snapshot is None:
-        self.snapshot = [torch.empty_like(g) for g in grads]
-    for saved, grad in zip(self.snapshot, grads, strict=True):
-        saved.copy_(grad)
-    self.in_flight = self.host.submit(adam, self.snapshot)
+    if self.copy_gradients:
+        if self.snapshot is None:
+            self.snapshot = [torch.empty_like(g) for g in grads]
+        for saved, grad in zip(self.snapshot, grads, strict=True):
+            saved.copy_(grad)
+        grads = self.snapshot
+    if self.uploads is not None:
+        self.host.wait_event(self.uploads)
+    self.in_flight = self.host.submit(adam, grads)
 
 
 def _others(keep, monkeypatch):
@@ -134,25 +139,23 @@ class _Gate:
         self._event.set()
 
 
-class _Slow:
-    """A stream whose every job starts `delay` seconds late: a reader that is not waited for is overtaken."""
+def _delivered(engine, count):
+    """Hand the pipeline `count` reduced shards as backward would, unit k's filled with k + 1."""
+    states = engine.states
+    for index in range(count):
+        numel = states.units[index].shard_numel
+        shard = engine.accelerator.zeros(numel, states.dtype, category="buckets").fill_(index + 1.0)
+        engine._pipeline.deliver(index, shard)
 
-    def __init__(self, stream, delay):
-        self.stream, self.delay = stream, delay
-        self.waits_without_blocking = stream.waits_without_blocking
 
-    def wait_event(self, event):
-        self.stream.wait_event(event)
-
-    def submit(self, fn, *args, **kwargs):
-        def late():
-            time.sleep(self.delay)
-            return fn(*args, **kwargs)
-
-        return self.stream.submit(late)
-
-    def close(self):
-        self.stream.close()
+def _assert_arrived(engine, count):
+    for index in range(count):
+        grad = engine.states.grad_shards[index]
+        wrong = int((grad != index + 1.0).sum())
+        assert not wrong, (
+            f"unit {index}'s gradient is wrong in {wrong} of {grad.numel()} places: the host read its staging "
+            "slot before the copy had landed, or after the next copy had overwritten it"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- Lab 5.1
@@ -205,21 +208,28 @@ def test_deliver_returns_while_the_copy_stream_is_busy(monkeypatch):
 @pytest.mark.task("5.1")
 def test_the_host_reads_a_gradient_only_after_its_copy_has_landed(monkeypatch):
     _others("5.1", monkeypatch)
-    serial = _engine(_config(overlap=False))
     engine = _engine(_config())
-    engine._pipeline.copy = _Slow(engine._pipeline.copy, 0.005)  # a slow link
-    assert _train(engine, 2) == _train(serial, 2)
-    _assert_bit_identical(_weights(engine), _weights(serial))
+    pipeline_ = engine._pipeline
+    # The link starts nothing until the host has run everything it can: a host not made to wait for the copy
+    # has read an empty slot by then.
+    with held_until_quiet(pipeline_.copy, pipeline_.host):
+        _delivered(engine, 1)
+    pipeline_.wait()
+    _assert_arrived(engine, 1)
 
 
 @pytest.mark.task("5.1")
 def test_a_staging_slot_is_handed_back_only_after_the_host_has_read_it(monkeypatch):
     _others("5.1", monkeypatch)
-    serial = _engine(_config(overlap=False))
     engine = _engine(_config())
-    engine._pipeline.host = _Slow(engine._pipeline.host, 0.005)  # a slow host: the link would overtake it
-    assert _train(engine, 2) == _train(serial, 2)
-    _assert_bit_identical(_weights(engine), _weights(serial))
+    pipeline_, slots = engine._pipeline, len(engine._pipeline.grad_slots.buffers)
+    count = slots + 1  # the last one reuses the first slot
+    # The host starts nothing until the link has run every copy it can: a slot handed back before the host
+    # read it has been overwritten by then.
+    with held_until_quiet(pipeline_.host, pipeline_.copy, after=count):
+        _delivered(engine, count)
+    pipeline_.wait()
+    _assert_arrived(engine, count)
 
 
 @pytest.mark.task("5.1")
@@ -248,18 +258,21 @@ def test_slots_are_taken_in_turn_as_views_of_the_right_size():
 
 
 @pytest.mark.task("5.2")
-def test_a_writer_waits_for_the_last_reader_of_its_slot():
+def test_a_writer_waits_for_the_last_reader_of_its_own_slot():
     ring = pipeline.SlotRing([torch.zeros(1), torch.zeros(1)])
-    writer, reader, gate = pipeline.HostQueue("writer"), pipeline.HostQueue("reader"), _Gate()
+    writer, gate = pipeline.HostQueue("writer"), _Gate()
+    readers = [pipeline.HostQueue("reader-0"), pipeline.HostQueue("reader-1")]
     try:
-        for k in range(2):  # slots 0 and 1 get a reader that cannot finish before the gate opens
+        for k in range(2):  # slot 0's reader cannot finish before the gate opens; slot 1's has finished
             slot, buffer = ring.acquire(writer, 1)
             written = writer.submit(buffer.fill_, k)
-            reader.wait_event(written)
-            ring.release(slot, reader.submit(gate.closed))
+            readers[k].wait_event(written)
+            read = readers[k].submit(gate.closed if k == 0 else lambda: None)
+            ring.release(slot, read)
+        read.wait()
         slot, buffer = ring.acquire(writer, 1)  # slot 0 again, while its reader is still shut
         overwrite = writer.submit(buffer.fill_, 99)
-        time.sleep(0.05)
+        writer.wait_quiet(submitted=3)  # it has run all it can
         early = overwrite.done()
     finally:
         gate.open()
@@ -269,28 +282,63 @@ def test_a_writer_waits_for_the_last_reader_of_its_slot():
 
 
 @pytest.mark.task("5.2")
-def test_a_slow_reader_sees_every_value_written_for_it():
+def test_acquire_returns_at_once_and_leaves_the_waiting_to_the_writer():
+    ring = pipeline.SlotRing([torch.zeros(1)])
+    writer, reader, gate = pipeline.HostQueue("writer"), pipeline.HostQueue("reader"), _Gate()
+    ring.release(0, reader.submit(gate.closed))  # the slot's reader is shut until the gate opens
+    acquired = threading.Event()
+    caller = threading.Thread(target=lambda: (ring.acquire(writer, 1), acquired.set()), daemon=True)
+    caller.start()
+    try:
+        # The gate stays shut whatever happens: an acquire that blocks its caller never returns here.
+        returned = acquired.wait(timeout=20)
+    finally:
+        gate.open()
+        caller.join()
+    assert returned, (
+        "acquire blocked its caller until the reader finished: make the writer stream wait instead"
+    )
+
+
+@pytest.mark.task("5.2")
+def test_a_held_reader_sees_every_value_written_for_it():
     ring = pipeline.SlotRing([torch.zeros(4), torch.zeros(4)])
-    writer, reader, seen = pipeline.HostQueue("writer"), _Slow(pipeline.HostQueue("reader"), 0.01), []
-    events = []
-    for k in range(6):
-        slot, buffer = ring.acquire(writer, 4)
-        written = writer.submit(buffer.fill_, k)
-        reader.wait_event(written)
-        done = reader.submit(lambda b=buffer, k=k: seen.append((k, int(b[0]))))
-        ring.release(slot, done)
-        events.append(done)
+    writer, reader, seen, events = pipeline.HostQueue("writer"), pipeline.HostQueue("reader"), [], []
+    # The reader reads nothing until the writer has written all it can: a writer that does not wait for the
+    # slot's reader has overwritten both slots by then.
+    with held_until_quiet(reader, writer, after=6):
+        for k in range(6):
+            slot, buffer = ring.acquire(writer, 4)
+            written = writer.submit(buffer.fill_, k)
+            reader.wait_event(written)
+            done = reader.submit(lambda b=buffer, k=k: seen.append((k, int(b[0]))))
+            ring.release(slot, done)
+            events.append(done)
     for event in events:
         event.wait()
     assert sorted(seen) == [(k, k) for k in range(6)]
 
 
 @pytest.mark.task("5.2")
-def test_the_pipeline_with_your_ordering_and_a_slow_host_equals_the_serial_step(monkeypatch):
+def test_the_pipeline_with_your_ordering_and_a_held_host_keeps_every_gradient(monkeypatch):
+    _others("5.2", monkeypatch)
+    engine = _engine(_config("fp16"))
+    pipeline_ = engine._pipeline
+    count = len(pipeline_.grad_slots.buffers) + 1
+    with held_until_quiet(pipeline_.host, pipeline_.copy, after=count):
+        _delivered(engine, count)
+    pipeline_.wait()
+    scale = engine.states.loss_scale()  # fp16: the host unscales as it accumulates
+    for index in range(count):
+        want = torch.full_like(engine.states.grad_shards[index], (index + 1.0) / scale)
+        assert torch.equal(engine.states.grad_shards[index], want), f"unit {index}'s gradient was overwritten"
+
+
+@pytest.mark.task("5.2")
+def test_the_pipeline_with_your_ordering_equals_the_serial_step(monkeypatch):
     _others("5.2", monkeypatch)
     serial = _engine(_config("fp16", overlap=False))
     engine = _engine(_config("fp16"))
-    engine._pipeline.host = _Slow(engine._pipeline.host, 0.005)
     assert _train(engine, 2) == _train(serial, 2)
     _assert_bit_identical(_weights(engine), _weights(serial))
 
@@ -368,10 +416,11 @@ def test_without_copy_gradients_adam_reads_the_gradients_in_place(monkeypatch):
 @pytest.mark.task("5.3")
 def test_each_step_publishes_the_previous_update_before_launching_its_own(monkeypatch):
     _others("5.3", monkeypatch)
-    update, log, published = dpu.DelayedUpdate(pipeline.HostQueue("host"), start_step=0), [], []
+    host = pipeline.HostQueue("host")
+    update, log, published = dpu.DelayedUpdate(host, start_step=0), [], []
 
-    def publish():  # slow, so an update launched before it returns would start first
-        time.sleep(0.05)
+    def publish():  # lets the host run all it can first: an update already launched would run now
+        host.wait_quiet()
         published.append(True)
 
     for step in range(3):
@@ -389,3 +438,25 @@ def test_a_skipped_step_launches_nothing_but_still_lands_the_previous_update(mon
     update.step([torch.zeros(1)], lambda g: log.append("adam"), lambda: log.append("publish"), skip=False)
     update.step([torch.zeros(1)], lambda g: log.append("adam"), lambda: log.append("publish"), skip=True)
     assert update.in_flight is None and log == ["adam", "publish"]
+
+
+@pytest.mark.task("5.3")
+def test_adam_waits_for_the_uploads_that_publish_started(monkeypatch):
+    _others("5.3", monkeypatch)
+    host, link = pipeline.HostQueue("host"), pipeline.HostQueue("link")
+    update, order = dpu.DelayedUpdate(host, start_step=0), []
+
+    def publish():  # its uploads still read the host's weights after it returns, as DMA does
+        return link.submit(lambda: order.append("upload"))
+
+    update.step([torch.zeros(1)], lambda g: order.append("adam"), publish, skip=False)
+    # The link starts nothing until the host has run all it can: an Adam that does not wait for the uploads
+    # has rewritten their source by then.
+    with held_until_quiet(link, host):
+        update.step([torch.zeros(1)], lambda g: order.append("adam"), publish, skip=False)
+    update.finish(publish)
+    link.synchronize()
+    assert order == ["adam", "upload", "adam", "upload"], (
+        f"{order}: Adam ran before the uploads had read the weights it rewrites; make the host queue wait "
+        "for self.uploads"
+    )

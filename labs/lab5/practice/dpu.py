@@ -14,6 +14,11 @@ most then (the paper turns DPU on after a few dozen steps). Adam reads a snapsho
 next backward may write the live buffer while Adam runs. Module 5's pipeline needs none: there every write of the
 host's gradients is a task on the host queue, queued behind Adam, so Adam may read them where they are.
 
+Publishing is itself asynchronous: on a GPU the uploads of the new weights are DMA copies from pinned host memory
+that are still running when `publish()` returns, and the next Adam rewrites exactly what they read (the fp32
+master, or the fp16 staging buffer the one-pass Adam rounds into). So Adam is queued behind the event of those
+uploads: the host waits for the link, never the device for the host.
+
 A checkpoint, or anything else that must see the current weights, calls `finish`: it waits and publishes.
 """
 
@@ -23,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..accelerator import Event
+from ..streams import Event
 
 
 class DelayedUpdate:
@@ -35,30 +40,34 @@ class DelayedUpdate:
         self.copy_gradients = copy_gradients
         self.in_flight: Event | None = None
         self.snapshot: list[torch.Tensor] | None = None  # the gradients the update in flight reads
+        self.uploads: Event | None = None  # the last publish's uploads, which read what Adam writes
 
     def active(self, step: int) -> bool:
         return step >= self.start_step
 
     def step(self, grads: list[torch.Tensor], adam: Callable[[list[torch.Tensor]], None],
-             publish: Callable[[], None], *, skip: bool) -> None:  # fmt: skip
+             publish: Callable[[], Event | None], *, skip: bool) -> None:  # fmt: skip
         """One optimizer step under DPU: finish the previous update, then launch `adam` on this one's gradients.
 
         `adam(snapshot)` updates the host's fp32 masters from the gradient tensors it is given; `publish()`
-        puts the updated weights where forward reads them; `skip` is true for a step with an fp16 overflow."""
+        puts the updated weights where forward reads them and returns the event of its uploads (None if it
+        uploads nothing); `skip` is true for a step with an fp16 overflow."""
         # Lab 5.3: the delayed parameter update
         # 1. Finish the previous step's update first: self.finish(publish) waits for it and publishes its
         #    weights (forward t+1 must read them, and Adam must not run twice at once on the same masters).
         # 2. Unless `skip`: if self.copy_gradients, copy `grads` into self.snapshot (allocate it on first use:
         #    one torch.empty_like per gradient tensor), because the next backward may write `grads` while Adam
-        #    runs, and give Adam the snapshot; otherwise give it `grads` themselves. Launch Adam without
-        #    waiting: self.in_flight = self.host.submit(adam, <the snapshot or grads>).
+        #    runs, and give Adam the snapshot; otherwise give it `grads` themselves.
+        # 3. The uploads that publish started may still be reading the host buffers Adam rewrites: if
+        #    self.uploads is not None, make the host queue wait for it (self.host.wait_event(...)). Then launch
+        #    Adam without waiting: self.in_flight = self.host.submit(adam, <the snapshot or grads>).
         raise NotImplementedError("Lab 5.3: the delayed parameter update")
 
-    def finish(self, publish: Callable[[], None]) -> bool:
+    def finish(self, publish: Callable[[], Event | None]) -> bool:
         """Wait for the update in flight and publish it; True if there was one."""
         if self.in_flight is None:
             return False
         event, self.in_flight = self.in_flight, None
         event.wait()
-        publish()
+        self.uploads = publish()
         return True

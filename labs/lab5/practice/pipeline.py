@@ -34,13 +34,14 @@ import time
 
 import torch
 
-from ..accelerator import Accelerator, Event, _WorkerStream
+from ..accelerator import Accelerator
 from ..implementation.offload import adam_step, host_buffer
 from ..principles.zero import squared_norm
+from ..streams import Event, WorkerStream
 from ..tuning.cpu_adam import CPUAdam, one_pass_update
 
 
-class HostQueue(_WorkerStream):
+class HostQueue(WorkerStream):
     """The CPU's share of the step: one thread that runs its queue in order, optionally on `cores` only.
 
     Pinning models a GPU and a CPU as separate processors on a machine that has only CPUs: the device's

@@ -619,6 +619,7 @@ def load_checkpoint(engine, path) -> None:
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
     states.publish()  # the weights forward reads, rounded from the loaded masters (stages 1/2: all-gathered)
+    engine.accelerator.fence_copies()  # and landed before the caller can write a parameter itself
 
 
 def _load_scaler(engine, saved: dict) -> None:

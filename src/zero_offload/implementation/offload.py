@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -69,24 +68,30 @@ class Transfers:
         """Copy `src` (device) into `dst` (host). Blocking by default, because the CPU reads `dst` right after;
         module 5's pipeline passes blocking=False and waits for the copy stream's event instead."""
         self._check(dst, src, "d2h")
-        start = time.perf_counter()
-        dst.copy_(src, non_blocking=not blocking and dst.is_pinned())
+        start = self._mark("D2H")
+        self.accel.copy_(dst, src, non_blocking=not blocking)
         self._count("d2h", "D2H", src, start)
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor, *, blocking: bool = False) -> None:
         """Copy `src` (host) into `dst` (device). From pinned memory the copy runs by DMA while the CPU goes on;
         the device's stream orders it before any kernel that reads `dst`."""
         self._check(dst, src, "h2d")
-        start = time.perf_counter()
-        dst.copy_(src, non_blocking=not blocking and src.is_pinned())
+        start = self._mark("H2D")
+        self.accel.copy_(dst, src, non_blocking=not blocking)
         self._count("h2d", "H2D", src, start)
 
-    def _count(self, direction: str, stage: str, src: torch.Tensor, start: float) -> None:
+    def _mark(self, stage: str):
+        # On CUDA the timeline marks the copy's stream, so a non-blocking copy's span is the DMA, not its launch.
+        return self.timeline.mark(stage) if self.timeline is not None else None
+
+    def _count(
+        self, direction: str, stage: str, src: torch.Tensor, start: float | torch.cuda.Event | None
+    ) -> None:
         # The pipeline copies on its own thread while the main thread may copy too (stage 3 gathers).
         with self._lock:
             self.bytes[direction] += src.numel() * src.element_size()
-        if self.timeline is not None:  # a non-blocking copy's span is its launch: the DMA runs on after it
-            self.timeline.add(stage, start, time.perf_counter())
+        if self.timeline is not None and start is not None:
+            self.timeline.finish(stage, start)
 
     def reset(self) -> None:
         self.bytes.clear()

@@ -12,17 +12,28 @@ question of *when*, which totals cannot answer. The engine records the start and
 
 `engine.timeline(path)` collects the spans of every rank and draws them as a Gantt chart: one band per rank,
 one lane per stage, time running left to right. Only the last `keep_steps` steps are kept.
+
+Which clock: on the emulated device a stage's work runs while the host waits for it, so the host's clock times
+it. A GPU runs kernels and copies asynchronously: the host's time around `model(x)` or a non-blocking copy is
+only how long the launch took. There the device stages are timed by CUDA events recorded on the stream that runs
+them, and put on the host's clock only when the spans are read, through one reference event whose host time is
+known. Host work (the CPU's Adam, the NVMe tier) keeps the host's clock everywhere.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 STAGES = ("forward", "backward", "reduce", "D2H", "NVMe read", "Adam", "NVMe write", "H2D", "all-gather")
+# The stages whose work a GPU queues and runs later: on CUDA they are timed by events, the others by the host.
+DEVICE_STAGES = frozenset({"forward", "backward", "reduce", "D2H", "H2D", "all-gather"})
 
 
 @dataclass(frozen=True)
@@ -33,45 +44,115 @@ class Span:
     end: float
 
 
-class Timeline:
-    """Spans of the last `keep_steps` steps of one rank."""
+@dataclass(frozen=True)
+class _Pending:
+    """A device span whose events may not have happened yet: resolved into a Span when the spans are read."""
 
-    def __init__(self, keep_steps: int = 16):
+    stage: str
+    step: int
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+
+
+class Timeline:
+    """Spans of the last `keep_steps` steps of one rank.
+
+    Given a CUDA `accelerator`, the device stages are timed by CUDA events; otherwise everything is timed by
+    the host's `time.perf_counter()`.
+    """
+
+    def __init__(self, keep_steps: int = 16, *, accelerator=None):
         if keep_steps < 1:
             raise ValueError(f"keep_steps must be at least 1, got {keep_steps}")
         self.keep_steps = keep_steps
         self.origin = time.perf_counter()
         self.step = 0
-        self.spans: deque[Span] = deque()
+        self._spans: deque[Span | _Pending] = deque()
+        # The pipeline's copy thread records spans while the main thread does.
+        self._lock = threading.Lock()
+        self._device = accelerator.device if accelerator is not None and accelerator.name == "cuda" else None
+        if self._device is not None:
+            # The one synchronization: afterwards the reference event's host time is known, and every other
+            # event is placed on the host clock by its distance from the reference, measured by the device.
+            self._reference = torch.cuda.Event(enable_timing=True)
+            self._reference.record(torch.cuda.current_stream(self._device))
+            self._reference.synchronize()
+            self._reference_host = time.perf_counter()
+
+    @property
+    def spans(self) -> list[Span]:
+        """The kept spans, oldest first. On CUDA this waits for the events of the spans not yet read."""
+        with self._lock:
+            self._spans = deque(self._resolve(s) if isinstance(s, _Pending) else s for s in self._spans)
+            return list(self._spans)
+
+    def _resolve(self, pending: _Pending) -> Span:
+        # Only these two events: synchronizing the device would also wait for work queued after the span.
+        pending.start.synchronize()
+        pending.end.synchronize()
+        start, end = (
+            self._reference_host + self._reference.elapsed_time(event) / 1e3 - self.origin
+            for event in (pending.start, pending.end)
+        )
+        return Span(pending.stage, pending.step, start, end)
+
+    def _append(self, item: Span | _Pending) -> None:
+        with self._lock:
+            self._spans.append(item)
+            while self._spans and self._spans[0].step <= self.step - self.keep_steps:
+                self._spans.popleft()
 
     def add(self, stage: str, start: float, end: float) -> None:
-        if stage not in STAGES:
-            raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
-        self.spans.append(Span(stage, self.step, start - self.origin, end - self.origin))
-        while self.spans and self.spans[0].step <= self.step - self.keep_steps:
-            self.spans.popleft()
+        """Record `stage` from `start` to `end`, two readings of the host's `time.perf_counter()`."""
+        _check_stage(stage)
+        self._append(Span(stage, self.step, start - self.origin, end - self.origin))
+
+    def mark(self, stage: str) -> float | torch.cuda.Event:
+        """The start of `stage`'s work, for `finish`: on CUDA, for a device stage, an event recorded on the
+        current stream (inside `torch.cuda.stream(s)`, on `s`); else the host's time now."""
+        _check_stage(stage)
+        if self._device is None or stage not in DEVICE_STAGES:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self._device))
+        return event
+
+    def finish(self, stage: str, start: float | torch.cuda.Event) -> None:
+        """Record `stage` from `start` (a `mark`) to now, on the clock `start` was read from."""
+        if isinstance(start, float):
+            return self.add(stage, start, time.perf_counter())
+        end = self.mark(stage)
+        self._append(_Pending(stage, self.step, start, end))
 
     @contextmanager
     def span(self, stage: str):
-        start = time.perf_counter()
+        start = self.mark(stage)
         try:
             yield
         finally:
-            self.add(stage, start, time.perf_counter())
+            self.finish(stage, start)
 
-    def until_done(self, stage: str, start: float, work):
-        """A collective launched at `start`: its span ends now if it ran synchronously (`work` is None), else
-        when someone waits for its handle, which this returns wrapped."""
+    def until_done(self, stage: str, start: float | torch.cuda.Event, work):
+        """A collective launched at `start` (a `mark`): its span ends now if it ran synchronously (`work` is
+        None), else when someone waits for its handle, which this returns wrapped."""
         if work is None:
-            self.add(stage, start, time.perf_counter())
+            self.finish(stage, start)
             return None
         return _TimedWork(work, self, stage, start)
 
 
-class _TimedWork:
-    """A collective's handle that records its span when waited on."""
+def _check_stage(stage: str) -> None:
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
 
-    def __init__(self, work, timeline: Timeline, stage: str, start: float):
+
+class _TimedWork:
+    """A collective's handle that records its span when waited on.
+
+    On CUDA, `wait()` makes the current stream wait for the collective, so the end event recorded after it
+    completes once the collective has (or once the stream's own earlier work has, if that ends later)."""
+
+    def __init__(self, work, timeline: Timeline, stage: str, start: float | torch.cuda.Event):
         self.work, self.timeline, self.stage, self.start = work, timeline, stage, start
 
     def is_completed(self) -> bool:
@@ -79,7 +160,7 @@ class _TimedWork:
 
     def wait(self):
         result = self.work.wait()
-        self.timeline.add(self.stage, self.start, time.perf_counter())
+        self.timeline.finish(self.stage, self.start)
         return result
 
 

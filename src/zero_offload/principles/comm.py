@@ -43,7 +43,7 @@ class Comm:
         """Run collective `op` on `tensors`, count its elements and, when a timeline is kept, record it as
         `stage`. On gloo it is complete only once gloo holds none of `tensors` any more."""
         self.elements[name] += numel
-        start = time.perf_counter()
+        start = self._mark(stage)
         held = [(t, t._use_count()) for t in tensors] if self._settle else []
         try:
             work = op(async_op)
@@ -57,7 +57,11 @@ class Comm:
             return work
         return self.timeline.until_done(stage, start, work)
 
-    def _local(self, stage: str, start: float) -> None:
+    def _mark(self, stage: str | None):
+        """Where `stage`'s span starts (on CUDA, an event on the current stream), or None if nothing records it."""
+        return self.timeline.mark(stage) if self.timeline is not None and stage is not None else None
+
+    def _local(self, stage: str, start: float | torch.cuda.Event) -> None:
         """One process: the collective was a local copy, recorded like one that ran synchronously."""
         if self.timeline is not None:
             self.timeline.until_done(stage, start, None)
@@ -66,7 +70,7 @@ class Comm:
         """Sum `full` over ranks; rank r receives chunk r of the sum in `out`."""
         _check_writable(out, "reduce_scatter output")
         if self.world_size == 1:
-            start = time.perf_counter()
+            start = self._mark("reduce")
             out.copy_(full)
             return self._local("reduce", start)
         return self._run(
@@ -84,7 +88,7 @@ class Comm:
         if self.world_size == 1:
             if full.data_ptr() == shard.data_ptr():
                 return None  # the shard is the whole buffer: nothing to gather, nothing to record
-            start = time.perf_counter()
+            start = self._mark("all-gather")
             full.copy_(shard)
             return self._local("all-gather", start)
         return self._run(
