@@ -39,7 +39,6 @@ ZERO2_OFFLOAD = {
     "train_micro_batch_size_per_gpu": 8,
     "gradient_accumulation_steps": 2,
     "gradient_clipping": 1.0,
-    "steps_per_print": 100,
     "fp16": {
         "enabled": True,
         "loss_scale": 0,
@@ -60,7 +59,6 @@ ZERO2_OFFLOAD = {
         "stage": 2,
         "offload_optimizer": {"device": "cpu", "pin_memory": True},
         "overlap_comm": True,
-        "contiguous_gradients": True,
         "reduce_bucket_size": 5e8,
         "allgather_bucket_size": 2e8,
     },
@@ -89,7 +87,10 @@ def without(base: dict, path: str) -> dict:
 
 
 BASE = {"train_batch_size": 8}
-STAGE2 = without(COURSE_INTRO, "zero_optimization.offload_param")
+# The introduction's config made runnable: no offload_param, and no key that would only draw a warning.
+STAGE2 = without(
+    without(COURSE_INTRO, "zero_optimization.offload_param"), "zero_optimization.contiguous_gradients"
+)
 
 # (id, config, world_size, key path in the error, fragment of the fix/explanation)
 BAD = [
@@ -446,9 +447,9 @@ def test_zero2_offload_config_loads_as_written():
     assert cfg.world_size == 4
     assert cfg.precision == "fp16" and cfg.fp16.dynamic and cfg.fp16.initial_scale_power == 12
     assert cfg.fp16.min_loss_scale == 1.0 and isinstance(cfg.fp16.min_loss_scale, float)
-    assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print == 100
+    assert cfg.gradient_clipping == 1.0
     zero = cfg.zero_optimization
-    assert zero.stage == 2 and zero.overlap_comm and zero.contiguous_gradients
+    assert zero.stage == 2 and zero.overlap_comm
     assert zero.offload_optimizer == OffloadConfig(device="cpu", pin_memory=True)
     assert zero.offload_optimizer.enabled and not zero.offload_param.enabled
     assert zero.reduce_bucket_size == 500_000_000 and type(zero.reduce_bucket_size) is int
@@ -473,9 +474,9 @@ def test_defaults():
     assert cfg.zero_optimization == ZeroConfig()
     assert not cfg.activation_checkpointing.enabled
     assert cfg.zero_offload.device_memory is None and cfg.zero_offload.cpu_adam.impl == "simd"
-    assert cfg.zero_offload.seed == 1234 and cfg.zero_offload.delayed_param_update.start_step == 10
+    assert cfg.zero_offload.delayed_param_update.start_step == 10
     assert cfg.zero_offload.max_skipped_steps == 20
-    assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print == 10
+    assert cfg.gradient_clipping == 0.0
 
 
 @pytest.mark.parametrize(
@@ -546,7 +547,7 @@ def test_harmless_deepspeed_keys_warn_once_listing_all():
         "optimizer.params.torch_adam",
     ):
         assert key in message
-    assert caught[0].filename == __file__  # points at the caller, not inside config.py
+    assert caught[0].filename == __file__  # points at the caller, not inside zero_offload.config
     with pytest.warns(UserWarning, match="wall_clock_breakdown"):
         load_config(config, world_size=4)
     assert cfg == load_config(ZERO2_OFFLOAD, world_size=4)
@@ -556,6 +557,73 @@ def test_supported_config_loads_without_warnings():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_config(ZERO2_OFFLOAD, world_size=4)
+
+
+# Keys that load but change nothing here: each must say so, and must leave no field behind that looks like a knob.
+CHECKPOINTING = with_(BASE, "activation_checkpointing", {})
+NO_EFFECT = [
+    (BASE, "steps_per_print", 100),
+    (STAGE2, "zero_optimization.contiguous_gradients", False),
+    (CHECKPOINTING, "activation_checkpointing.number_checkpoints", 4),
+    (CHECKPOINTING, "activation_checkpointing.contiguous_memory_optimization", True),
+    (CHECKPOINTING, "activation_checkpointing.synchronize_checkpoint_boundary", True),
+    (CHECKPOINTING, "activation_checkpointing.profile", True),
+    (BASE, "zero_offload.seed", 7),
+]
+
+
+@pytest.mark.parametrize("base, path, value", NO_EFFECT, ids=[path for _, path, _ in NO_EFFECT])
+def test_a_key_without_effect_warns_once_naming_it(base, path, value):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(with_(base, path, value))
+    assert [w.category for w in caught] == [UserWarning]
+    message = str(caught[0].message)
+    assert path in message and "no effect here" in message
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain = load_config(base)
+    assert cfg == plain and cfg.fingerprint() == plain.fingerprint()  # the value went nowhere
+
+
+@pytest.mark.parametrize("base, path, value", NO_EFFECT, ids=[path for _, path, _ in NO_EFFECT])
+def test_the_canonical_form_has_no_key_without_effect(base, path, value):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = load_config(with_(base, path, value))
+    canonical = cfg.to_dict()
+    node = canonical
+    for key in path.split(".")[:-1]:
+        node = node[key]
+    assert path.split(".")[-1] not in node
+    with warnings.catch_warnings():
+        warnings.simplefilter(
+            "error"
+        )  # what the engine writes back (checkpoints, check-config) loads quietly
+        assert load_config(canonical) == cfg
+
+
+def test_every_key_without_effect_is_in_one_warning():
+    config = copy.deepcopy(ZERO2_OFFLOAD)
+    for _, path, value in NO_EFFECT:
+        config = with_(config, path, value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(config, world_size=4)
+    assert len(caught) == 1
+    assert all(path in str(caught[0].message) for _, path, _ in NO_EFFECT)
+    assert cfg.activation_checkpointing.enabled
+    assert cfg == load_config(with_(ZERO2_OFFLOAD, "activation_checkpointing", {}), world_size=4)
+
+
+def test_refused_checkpointing_switches_stay_quiet_when_false():
+    config = with_(
+        BASE, "activation_checkpointing", {"partition_activations": False, "cpu_checkpointing": False}
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config(config).activation_checkpointing.enabled
 
 
 def test_fingerprint_equal_for_equal_configs_and_different_otherwise():
@@ -572,7 +640,7 @@ def test_fingerprint_equal_for_equal_configs_and_different_otherwise():
         ("zero_optimization.offload_optimizer.pin_memory", False),
         ("zero_optimization.stage", 1),
         ("scheduler.params.total_num_steps", 1001),
-        ("zero_offload.seed", 1),
+        ("zero_offload.max_skipped_steps", 5),
         ("zero_offload.cpu_adam.impl", "torch"),
         ("gradient_clipping", 0.5),
     ]
@@ -604,7 +672,7 @@ def test_to_dict_round_trips():
 def test_extension_section_and_round_trip():
     config = {
         **BASE,
-        "activation_checkpointing": {"number_checkpoints": 4, "contiguous_memory_optimization": True},
+        "activation_checkpointing": {"partition_activations": False},
         "zero_optimization": {
             "stage": 3,
             "offload_param": {"device": "nvme", "nvme_path": "/tmp/nvme"},
@@ -617,19 +685,18 @@ def test_extension_section_and_round_trip():
             "device_memory": "512MiB",
             "cpu_adam": {"impl": "simd", "threads": 2},
             "delayed_param_update": {"enabled": True, "start_step": 0},
-            "seed": 7,
         },
     }
     cfg = load_config(config)
     assert cfg.precision == "bf16" and cfg.bf16.enabled
-    assert cfg.activation_checkpointing.enabled and cfg.activation_checkpointing.number_checkpoints == 4
+    assert cfg.activation_checkpointing.enabled
     assert (
         cfg.zero_optimization.offload_param.device == "nvme"
         and cfg.zero_optimization.offload_optimizer.ratio == 0.5
     )
     assert cfg.scheduler.params["warmup_max_lr"] == 1e-3  # DeepSpeed's default, not the optimizer's lr
     ext = cfg.zero_offload
-    assert ext.device_memory == 512 * 2**20 and ext.cpu_adam.threads == 2 and ext.seed == 7
+    assert ext.device_memory == 512 * 2**20 and ext.cpu_adam.threads == 2
     assert ext.delayed_param_update.enabled and ext.delayed_param_update.start_step == 0
     assert load_config(cfg.to_dict()) == cfg
     assert "bf16" in cfg.to_dict() and "bfloat16" not in cfg.to_dict()

@@ -116,8 +116,7 @@ def _plan(args) -> int:
 
 
 def _check_config(args) -> int:
-    from .combinations import check_supported
-    from .config import ConfigError, load_config
+    from .config import ConfigError, check_supported, load_config
 
     try:
         config = load_config(args.path, world_size=args.world_size)

@@ -31,15 +31,15 @@ from collections.abc import Mapping
 import torch
 
 # One table of parameter names and DeepSpeed's defaults, shared with the config parser.
-from zero_offload.config import _SCHEDULERS, SchedulerConfig
+from zero_offload.config import SCHEDULER_DEFAULTS, SchedulerConfig
 
 __all__ = ["LRScheduler", "build_scheduler", "lr_at"]
 
 
 def _checked(kind: str, params: Mapping) -> dict:
-    if kind not in _SCHEDULERS:
-        raise ValueError(f"unknown scheduler type {kind!r}; expected one of {', '.join(_SCHEDULERS)}")
-    p = {**_SCHEDULERS[kind], **params}
+    if kind not in SCHEDULER_DEFAULTS:
+        raise ValueError(f"unknown scheduler type {kind!r}; expected one of {', '.join(SCHEDULER_DEFAULTS)}")
+    p = {**SCHEDULER_DEFAULTS[kind], **params}
     if "total_num_steps" in p and p["total_num_steps"] is None:
         raise ValueError(f"{kind} needs total_num_steps: the decay must know when training ends")
     if kind == "WarmupCosineLR" and p["total_num_steps"] == _warmup_steps(p):

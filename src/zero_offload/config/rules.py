@@ -1,12 +1,13 @@
 """Combinations of settings the engine refuses, each with the key to change and how.
 
-The config parser (config.py) checks each setting on its own and what DeepSpeed itself rejects; these are the
-combinations this engine cannot run, or that would run and silently help nobody.
+The readers (sections.py, extension.py, load.py) check each setting on its own and what DeepSpeed itself rejects;
+these are the combinations this engine cannot run, or that would run and silently help nobody. `zo.initialize` and
+`zo check-config` both apply them, so a config the CLI calls OK is one the engine runs.
 """
 
 from __future__ import annotations
 
-from .config import Config
+from .schema import Config
 
 
 def check_supported(config: Config) -> None:
