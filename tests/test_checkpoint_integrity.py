@@ -20,7 +20,7 @@ import zero_offload as zo
 from zero_offload import plots
 from zero_offload.accelerator import EmulatedAccelerator
 from zero_offload.cli import main
-from zero_offload.implementation import checkpoint
+from zero_offload.implementation import checkpoint, durable
 from zero_offload.implementation.checkpoint import CheckpointError, consolidate
 from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss
 
@@ -241,7 +241,7 @@ def test_a_write_error_that_hides_its_cause_is_still_a_full_disk_when_too_little
 def test_zo_train_stops_on_a_full_disk_with_one_line_naming_the_last_checkpoint(
     tmp_path, monkeypatch, capsys
 ):
-    monkeypatch.setattr(plots, "_save", lambda fig, path: (plots.plt.close(fig), path)[1])
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: (plots.plt.close(fig), path)[1])
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps({"train_batch_size": 4, "zero_optimization": {"stage": 0}}))
     _disk_fills_after(monkeypatch, 1)  # the checkpoint after step 2 fits, the one after step 4 does not
@@ -268,7 +268,7 @@ def test_a_link_planted_at_a_temporary_name_is_never_written_through_nor_removed
     consolidate(path)
 
     # Even a name an attacker guesses is refused rather than followed: here every name is guessed.
-    monkeypatch.setattr(checkpoint, "_temp_name", lambda final: final.with_name(f".{final.name}.guessed.tmp"))
+    monkeypatch.setattr(durable, "temp_name", lambda final: final.with_name(f".{final.name}.guessed.tmp"))
     guessed = path / f".{RANK0}.guessed.tmp"
     guessed.symlink_to(victim)
     with pytest.raises(

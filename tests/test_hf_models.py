@@ -14,9 +14,9 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from distributed import run_ranks
 
 import zero_offload as zo
-from tests.distributed import run_ranks
 from zero_offload.accelerator import EmulatedAccelerator
 from zero_offload.principles.stage3_params import PartitionedAccessError
 

@@ -10,8 +10,7 @@ import textwrap
 
 import pytest
 import torch
-
-from tests.distributed import free_port, run_ranks
+from distributed import free_port, run_ranks
 
 # The README's loop, as a user would write it: no init_process_group anywhere. Each rank reads its half of
 # every global batch; fp32, AdamW with a large eps and no clipping, so that summed instead of averaged gradients

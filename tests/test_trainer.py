@@ -54,7 +54,7 @@ def _summary(out) -> dict:
 
 def _skip_saving_plots(monkeypatch) -> None:
     """Figures are made but not laid out or saved (most of a short run's time); the report test saves them."""
-    monkeypatch.setattr(plots, "_save", lambda fig, path: (plots.plt.close(fig), Path(path))[1])
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: (plots.plt.close(fig), Path(path))[1])
 
 
 @pytest.fixture

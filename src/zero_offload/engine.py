@@ -28,8 +28,7 @@ from .basics.precision import (
     StaticLossScaler,
     unique_parameters,
 )
-from .combinations import check_supported
-from .config import Config, load_config
+from .config import Config, check_supported, load_config
 from .divergence import SkipGuard
 from .implementation.offload import OffloadedStates, adam_step
 from .implementation.schedulers import build_scheduler
@@ -43,7 +42,7 @@ from .principles.zero import ShardedStates
 from .streams import Event
 from .tuning.build import CompilerNotFound
 from .tuning.cpu_adam import CPUAdam, one_pass_offload_step
-from .tuning.partial import SplitOptimizer, estimate_partial_offload
+from .tuning.partial import PartialOffloadStates, SplitOptimizer, estimate_partial_offload
 
 
 def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: list, impl: str | None = None):
@@ -126,7 +125,11 @@ class Engine:
         if zero.stage == 0:
             self.states = MixedPrecisionStates(params, self.accelerator, config.precision, self.comm)
         elif zero.offload_optimizer.enabled:
-            tier = NVMeStates if zero.offload_optimizer.device == "nvme" else OffloadedStates
+            tier = OffloadedStates
+            if zero.offload_optimizer.device == "nvme":  # module 5
+                tier = NVMeStates
+            elif zero.offload_optimizer.ratio < 1.0:  # module 4
+                tier = PartialOffloadStates
             self.states = tier(
                 model,
                 self.accelerator,

@@ -21,7 +21,7 @@ STATE_LABELS = {
 }
 
 
-def _save(fig, path: str | Path) -> Path:
+def save_figure(fig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -34,7 +34,7 @@ def show(fig, path: str | Path) -> Path:
     """For the notebooks: save `fig` to `path` and display the saved file, so notebook and file are one picture."""
     from IPython.display import Image, display  # only the notebooks need IPython
 
-    path = _save(fig, path)
+    path = save_figure(fig, path)
     display(Image(filename=str(path)))
     return path
 
@@ -74,7 +74,7 @@ def plot_model_states(
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     axes[0][0].legend(fontsize=7, loc="upper right")
     fig.suptitle(title)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 LOSS_LABEL = "loss (cross-entropy, nats/byte)"
@@ -97,7 +97,7 @@ def plot_curves(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_losses(series: Mapping[str, Sequence[float]], path: str | Path, *, title: str) -> Path:
@@ -126,4 +126,4 @@ def plot_bars(
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -219,7 +219,7 @@ class OffloadPipeline:
 
     def _upload_early(self, index: int) -> None:
         # Every unit delivered is a host unit whose weights live on the device: DPU is refused with a partial
-        # offload and with offload_param (combinations.py).
+        # offload and with offload_param (config/rules.py).
         self.upload.wait_event(self._early_after)  # the weights exist once the whole update has run
         self.early[index] = self._upload(index, self.states.param_staging[index])
 

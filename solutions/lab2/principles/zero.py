@@ -24,7 +24,7 @@ import torch
 
 from ..accelerator import Accelerator
 from ..basics.precision import LOW_PRECISION, has_overflow
-from ..implementation.buckets import GradientBuckets
+from .buckets import GradientBuckets
 from .comm import Comm
 from .partition import Unit, build_units
 from .stage3_params import ParameterAccess
@@ -36,7 +36,7 @@ warnings.filterwarnings(
 )
 
 
-def _fill_from(params: list[torch.Tensor], unit: Unit, shard: torch.Tensor) -> None:
+def fill_shard(params: list[torch.Tensor], unit: Unit, shard: torch.Tensor) -> None:
     """Copy the pieces of `params` that fall in this rank's shard of `unit` into `shard` (padding: zero)."""
     shard.zero_()
     for piece in unit.layout.slices:
@@ -189,7 +189,7 @@ class ShardedStates:
         for index, unit in enumerate(self.units):
             values = initial[start : start + len(unit.params)]
             start += len(unit.params)
-            _fill_from(values, unit, self.master_params[index])  # from fp32: no double rounding
+            fill_shard(values, unit, self.master_params[index])  # from fp32: no double rounding
             if self.master is not None:
                 self.param_shards[index].copy_(self.master_params[index])
             if self.stage == 3:
@@ -300,7 +300,7 @@ class ShardedStates:
             self._phase, self._cursor = phase, -1
             self.access.begin_phase(phase)
 
-    # -- stage 2/3: gradients leave in buckets as backward produces them (implementation/buckets.py) ---------
+    # -- stage 2/3: gradients leave in buckets as backward produces them (principles/buckets.py) ---------
     def _deliver_gradient(self, index: int, shard: torch.Tensor) -> None:
         self.grad_shards[index].add_(shard)  # accumulates over micro-batches
 

@@ -28,7 +28,6 @@ import math
 import os
 import pickle
 import re
-import secrets
 import shutil
 import warnings
 import zipfile
@@ -37,15 +36,13 @@ from pathlib import Path
 
 import torch
 
+from .durable import CheckpointError, fsync_dir, mount_point, os_error_behind, write_error, write_temp
+
 FORMAT = "zero_offload.checkpoint/1"
 META = "meta.json"
 STATES = ("master", "exp_avg", "exp_avg_sq")
 CHECKSUMS = "crc32"
 _RANK_FILE = re.compile(r"rank(\d{5})-of-(\d{5})\.pt")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written, read or used here; the message names the file and the fix."""
 
 
 def rank_file(rank: int, world_size: int) -> str:
@@ -191,66 +188,6 @@ def _meta(engine, state: dict) -> dict:
 
 
 # -- writing -------------------------------------------------------------------------------------------------
-_FIXES = {
-    errno.ENOSPC: "free some space on that disk or save to another directory",
-    errno.EACCES: "make the directory writable or save to another one",
-    errno.EROFS: "that file system is read-only; save to another directory",
-    errno.EEXIST: "something else keeps creating files under the names tried: check who can write there",
-}
-
-
-def _write_error(target: Path, err: OSError, outcome: str) -> CheckpointError:
-    where = f" ({err.filename})" if err.filename and str(err.filename) != str(target) else ""
-    fix = _FIXES.get(err.errno, "check that the directory can be created and written")
-    return CheckpointError(f"could not write {target}{where}: {err.strerror or err}; {fix}. {outcome}")
-
-
-def _temp_name(final: Path) -> Path:
-    return final.with_name(f".{final.name}.{secrets.token_hex(8)}.tmp")
-
-
-def _write_temp(final: Path, write) -> Path:
-    """write(file) into a new temporary file beside `final`, flushed to disk; the caller renames it into place."""
-    # Beside the target so the rename stays on one file system, where it is atomic. O_EXCL: whatever already
-    # has the name, a link planted there included, makes the call fail instead of being written through; the
-    # random name makes that a retry, not a refusal. os.open applies the user's umask, as for any file they
-    # write (mkstemp would make it private).
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
-    for _ in range(8):
-        temp = _temp_name(final)
-        try:
-            fd = os.open(temp, flags, 0o666)
-            break
-        except FileExistsError:
-            continue
-    else:
-        raise FileExistsError(errno.EEXIST, "every temporary name tried was taken", str(temp))
-    try:  # from here on the file is ours to remove
-        with os.fdopen(fd, "wb") as file:
-            write(file)
-            file.flush()
-            os.fsync(file.fileno())
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    return temp
-
-
-def _os_error(err: BaseException) -> OSError | None:
-    """The OSError behind `err`: torch.save's zip writer reports a failed write as a RuntimeError ("unexpected
-    pos ..."), with the OSError only as its context."""
-    while err is not None and not isinstance(err, OSError):
-        err = err.__cause__ or err.__context__
-    return err
-
-
-def _mount(directory: Path) -> Path:
-    directory = directory.resolve()
-    while not directory.is_mount() and directory != directory.parent:
-        directory = directory.parent
-    return directory
-
-
 def _megabytes(nbytes: int) -> str:
     return f"{nbytes / 1e6:,.1f} MB"
 
@@ -268,7 +205,7 @@ def _last_good(engine, path: Path) -> str:
 def _save_error(engine, final: Path, state: dict, err: Exception, outcome: str) -> Exception:
     """The CheckpointError for a rank file that could not be written: a full disk names the disk, the bytes
     the checkpoint needs and the last good checkpoint. Anything that is no write failure passes unchanged."""
-    found = _os_error(err)
+    found = os_error_behind(err)
     directory = next((d for d in (final.parent, *final.parents) if d.is_dir()), final.parent)
     free = shutil.disk_usage(directory).free  # after the temporary file is gone: what the save had to use
     mine = sum(t.numel() * t.element_size() for t in _tensors(state).values())
@@ -277,36 +214,18 @@ def _save_error(engine, final: Path, state: dict, err: Exception, outcome: str) 
     full = found is not None and found.errno in (errno.ENOSPC, errno.EDQUOT)
     if full or (found is None and free < mine):
         return CheckpointError(
-            f"could not write {final}: {os.strerror(errno.ENOSPC)}: the disk at {_mount(directory)} has "
+            f"could not write {final}: {os.strerror(errno.ENOSPC)}: the disk at {mount_point(directory)} has "
             f"{_megabytes(free)} free, and the checkpoint needs about {_megabytes(needed)} in all "
             f"({_megabytes(mine)} for this rank's file); free some space on that disk or save to another "
             f"directory. {outcome} {_last_good(engine, final.parent)}"
         )
-    return err if found is None else _write_error(final, found, outcome)
+    return err if found is None else write_error(final, found, outcome)
 
 
-def _fsync_dir(directory: Path) -> None:
-    # The rename itself is durable only once the directory is flushed; not every platform lets us open one.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _agree(comm, error: Exception | None, outcome: str = "") -> None:
-    """Raise on every rank if any rank failed: a rank raising alone would leave the others waiting for it."""
-    if comm.any(error is not None):
-        if error is not None:
-            raise error
-        raise CheckpointError(
-            f"another rank could not write its part of the checkpoint; see that rank's error. {outcome}".strip()
-        )
+def _elsewhere(outcome: str = "") -> CheckpointError:
+    return CheckpointError(
+        f"another rank could not write its part of the checkpoint; see that rank's error. {outcome}".strip()
+    )
 
 
 def save_checkpoint(engine, path) -> None:
@@ -322,22 +241,22 @@ def save_checkpoint(engine, path) -> None:
     kept = f"Any previous checkpoint in {path} is left as it was."
     try:
         path.mkdir(parents=True, exist_ok=True)
-        temp = _write_temp(final, lambda file: torch.save(state, file))
+        temp = write_temp(final, lambda file: torch.save(state, file))
     except Exception as err:  # raised below on every rank, never here alone
         error = _save_error(engine, final, state, err, kept)
     try:
-        _agree(comm, error, f"{kept} {_last_good(engine, path)}")
+        comm.raise_together(error, _elsewhere(f"{kept} {_last_good(engine, path)}"))
     except Exception:
         if temp is not None:
             temp.unlink(missing_ok=True)
         raise
     try:
         os.replace(temp, final)
-        _fsync_dir(path)
+        fsync_dir(path)
     except OSError as err:
         temp.unlink(missing_ok=True)
-        error = _write_error(final, err, "The checkpoint in that directory may now mix two saves.")
-    _agree(comm, error)
+        error = write_error(final, err, "The checkpoint in that directory may now mix two saves.")
+    comm.raise_together(error, _elsewhere())
     if comm.rank == 0:
         try:
             # Rank files that an earlier save by another world size left here belong to no checkpoint now.
@@ -346,13 +265,13 @@ def save_checkpoint(engine, path) -> None:
                 if match and int(match.group(2)) != comm.world_size:
                     old.unlink()
             meta = json.dumps(_meta(engine, state), indent=2) + "\n"
-            os.replace(_write_temp(path / META, lambda file: file.write(meta.encode())), path / META)
-            _fsync_dir(path)
+            os.replace(write_temp(path / META, lambda file: file.write(meta.encode())), path / META)
+            fsync_dir(path)
         except OSError as err:
-            error = _write_error(
+            error = write_error(
                 path / META, err, f"The rank files are in place but {META} is not: do not use it."
             )
-    _agree(comm, error)  # also a barrier: no rank returns before meta.json exists
+    comm.raise_together(error, _elsewhere())  # also a barrier: no rank returns before meta.json exists
 
 
 # -- reading -------------------------------------------------------------------------------------------------
@@ -667,7 +586,7 @@ def to_fp32(path, out) -> dict[str, torch.Tensor]:
     """Write consolidate(path) to file `out`, atomically: `model.load_state_dict(torch.load(out, ...))`."""
     state, out = consolidate(path), Path(out)
     try:
-        os.replace(_write_temp(out, lambda file: torch.save(state, file)), out)
+        os.replace(write_temp(out, lambda file: torch.save(state, file)), out)
     except OSError as err:
         raise CheckpointError(f"could not write {out}: {err.strerror or err}") from err
     return state

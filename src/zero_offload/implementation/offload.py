@@ -3,7 +3,7 @@
 With `"offload_optimizer": {"device": "cpu"}` the fp32 half of the model states leaves the device:
 
   on the device:  the fp16/bf16 weights forward and backward read (2 bytes a parameter), and gradient buckets
-                  while backward runs (implementation/buckets.py);
+                  while backward runs (principles/buckets.py);
   on the host:    this rank's partition of the fp32 master weights, Adam's m and v, and an fp32 gradient
                   partition (4 + 4 + 4 + 4 = 16 bytes per parameter of the shard), plus fp16 staging buffers.
 
@@ -189,8 +189,9 @@ def overflow_on_any_rank(comm: Comm, host_grad: torch.Tensor) -> bool:
 class OffloadedStates(ShardedStates):
     """ZeRO stage 1-3 with the optimizer (and at stage 3 optionally the weights) on the host.
 
-    With `offload_optimizer.ratio` < 1 (module 4, tuning/partial.py) only the leading `host_units` units keep
-    their optimizer states and gradients on the host; the others keep them on the device, as ZeRO-2 would.
+    Every unit's optimizer states and gradients live on the host. Module 4's partial offload
+    (tuning/partial.py, a subclass) keeps only the leading `host_units` units there and the others on the
+    device, as ZeRO-2 would; the code below handles both.
     """
 
     def __init__(
@@ -212,7 +213,6 @@ class OffloadedStates(ShardedStates):
         self.offload_param = zero.offload_param.enabled
         self.pin_optimizer = zero.offload_optimizer.pin_memory
         self.pin_param = zero.offload_param.pin_memory
-        self.ratio = zero.offload_optimizer.ratio
         self._uploads: dict[int, torch.Tensor] = {}  # stage 3: shards on their way to a gather
         # Set by module 4's one-pass CPU Adam, which writes the fp16 weights into the staging buffers itself.
         self.weights_rounded = False
@@ -229,12 +229,14 @@ class OffloadedStates(ShardedStates):
     def _host(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         return host_buffer(self.accel, numel, dtype, pin=pin)
 
+    def _host_unit_count(self, shard_sizes: list[int]) -> int:
+        """How many leading units keep their optimizer on the host: all of them (module 4 keeps fewer)."""
+        return len(shard_sizes)
+
     def _placement(self) -> tuple[list[int], list[int]]:
         """Shard sizes of the units whose optimizer is on the host, and of those whose optimizer is not."""
-        from ..tuning.partial import host_unit_count  # module 4
-
         sizes = [u.shard_numel for u in self.units]
-        self.host_units = len(sizes) if self.ratio >= 1.0 else host_unit_count(sizes, self.ratio)
+        self.host_units = self._host_unit_count(sizes)
         self.host_fraction = sum(sizes[: self.host_units]) / sum(sizes)
         return sizes[: self.host_units], sizes[self.host_units :]
 

@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 
 from ..implementation.offload import OffloadedStates, adam_step
-from ..principles.zero import _fill_from
+from ..principles.zero import fill_shard
 from ..tuning.cpu_adam import one_pass_offload_step
-from .nvme_files import STATES, NVMeError, NVMePathError, SwapFiles, _os_error
+from .nvme_files import STATES, NVMeError, NVMePathError, SwapFiles, os_error
 
 __all__ = ["STATES", "NVMeError", "NVMePathError", "NVMeStates", "SwapFiles", "sub_groups"]
 
@@ -85,9 +85,8 @@ class NVMeStates(OffloadedStates):
             self.files.remove()
 
     def _agree(self, error: Exception | None) -> None:
-        """Raise on every rank if any rank failed, so that no rank waits in a collective for one that left."""
-        if self.comm.any(error is not None):
-            raise error or NVMeError("another rank could not use its NVMe swap files; see that rank's error")
+        elsewhere = NVMeError("another rank could not use its NVMe swap files; see that rank's error")
+        self.comm.raise_together(error, elsewhere)
 
     def adopt_full_weights(self, indices, source_rank: int) -> None:
         raise NotImplementedError(
@@ -142,7 +141,7 @@ class NVMeStates(OffloadedStates):
         try:
             for g, group in enumerate(self.groups):
                 for index in group:
-                    _fill_from(values[index], self.units[index], self.master_params[index])
+                    fill_shard(values[index], self.units[index], self.master_params[index])
                     self.exp_avgs[index].zero_()
                     self.exp_avg_sqs[index].zero_()
                 self._round(group)
@@ -161,7 +160,7 @@ class NVMeStates(OffloadedStates):
             try:
                 self.files.read(g, state, view)
             except OSError as err:
-                raise _os_error(err, "read", self.files.path(g, state)) from None
+                raise os_error(err, "read", self.files.path(g, state)) from None
 
     def _write_group(self, g: int) -> list[tuple[Path, Path, int]]:
         written = []
@@ -171,7 +170,7 @@ class NVMeStates(OffloadedStates):
         except BaseException as err:
             self.files.discard(written)
             if isinstance(err, OSError):
-                raise _os_error(err, "write", self.files.path(g, state)) from None
+                raise os_error(err, "write", self.files.path(g, state)) from None
             raise
         return written
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..implementation.checkpoint import _fsync_dir, _write_temp
+from ..implementation.durable import fsync_dir, write_temp
 from ..units import format_bytes
 from .nvme_lock import LockedError, SwapLock
 
@@ -53,7 +53,7 @@ class NVMePathError(NVMeError, ValueError):
     the user's to fix before training starts, so the `zo` command prints it as one line."""
 
 
-def _os_error(err: OSError, doing: str, path, kind: type[NVMeError] = NVMeError) -> NVMeError:
+def os_error(err: OSError, doing: str, path, kind: type[NVMeError] = NVMeError) -> NVMeError:
     code = errno.errorcode.get(err.errno, "unknown error")
     fix = _FIXES.get(err.errno, f"check the drive, or choose another {_KEY}")
     return kind(f"could not {doing} {path}: {err.strerror or err} ({code}); {fix}")
@@ -97,7 +97,7 @@ class SwapFiles:
         except FileExistsError:
             pass
         except OSError as err:
-            raise _os_error(err, "create the swap directory", self.dir, NVMePathError) from None
+            raise os_error(err, "create the swap directory", self.dir, NVMePathError) from None
         if not stat.S_ISDIR(os.lstat(self.dir).st_mode):
             raise NVMePathError(
                 f"{self.dir} is a symbolic link or a file, not a directory: the NVMe tier writes and removes "
@@ -111,7 +111,7 @@ class SwapFiles:
                 f"each other's swap files: give this job another {_KEY}, or wait until the other one ends"
             ) from None
         except OSError as err:
-            raise _os_error(err, "create the lock file", self.lock.path, NVMePathError) from None
+            raise os_error(err, "create the lock file", self.lock.path, NVMePathError) from None
 
     def _check_space(self) -> None:
         paths = {self.path(g, state) for g in range(len(self.numels)) for state in STATES}
@@ -141,7 +141,7 @@ class SwapFiles:
         try:
             fd = os.open(path, _CREATE, 0o666)
         except OSError as err:
-            raise _os_error(err, "write a file in", self.dir, NVMePathError) from None
+            raise os_error(err, "write a file in", self.dir, NVMePathError) from None
         self.created.add(path)
         return fd
 
@@ -170,9 +170,7 @@ class SwapFiles:
         """Write `data` beside its file, flushed to the drive; returns (temporary, final, CRC-32) for commit()."""
         final = self.path(group, state)
         view = memoryview(data.numpy()).cast("B")
-        temp = _write_temp(
-            final, lambda file: file.write(view)
-        )  # O_EXCL|O_NOFOLLOW, fsync'd, gone on failure
+        temp = write_temp(final, lambda file: file.write(view))  # O_EXCL|O_NOFOLLOW, fsync'd, gone on failure
         self.created.add(temp)
         return temp, final, zlib.crc32(view)
 
@@ -186,9 +184,9 @@ class SwapFiles:
         except OSError as err:
             self.discard(written)
             raise NVMeError(
-                f"{_os_error(err, 'rename', temp)}. The swap files may now mix two steps: load a checkpoint"
+                f"{os_error(err, 'rename', temp)}. The swap files may now mix two steps: load a checkpoint"
             ) from None
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
 
     def discard(self, written: list[tuple[Path, Path, int]]) -> None:
         for temp, *_ in written:

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..basics.memory import TIERS
-from ..implementation.checkpoint import META, CheckpointError, _agree, _write_error, _write_temp
+from ..implementation.checkpoint import META, CheckpointError
+from ..implementation.durable import write_error, write_temp
 
 CHECKPOINTS, HISTORY = "checkpoints", "history.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -67,10 +68,13 @@ def save(engine, out, history: dict, keep: int) -> Path:
         try:
             path.mkdir(parents=True, exist_ok=True)
             text = json.dumps(history).encode()
-            os.replace(_write_temp(path / HISTORY, lambda file: file.write(text)), path / HISTORY)
+            os.replace(write_temp(path / HISTORY, lambda file: file.write(text)), path / HISTORY)
         except OSError as err:
-            error = _write_error(path / HISTORY, err, "No checkpoint was saved.")
-    _agree(engine.comm, error)
+            error = write_error(path / HISTORY, err, "No checkpoint was saved.")
+    elsewhere = CheckpointError(
+        "rank 0 could not write the run's history; see its error. No checkpoint was saved."
+    )
+    engine.comm.raise_together(error, elsewhere)
     engine.save_checkpoint(path)  # returns on every rank once meta.json is in place
     if engine.comm.rank == 0:
         complete = [step for step, found in checkpoints(out) if _complete(found)]

@@ -166,7 +166,7 @@ class _TimedWork:
 
 def plot_timeline(spans_by_rank: list[list[Span]], path: str | Path, *, title: str) -> Path:
     """A Gantt chart: one band of lanes per rank, one lane per stage."""
-    from ..plots import _save, plt
+    from ..plots import plt, save_figure
 
     lanes = [stage for stage in STAGES if any(s.stage == stage for spans in spans_by_rank for s in spans)]
     colors = dict(zip(STAGES, plt.get_cmap("tab10").colors, strict=False))
@@ -188,4 +188,4 @@ def plot_timeline(spans_by_rank: list[list[Span]], path: str | Path, *, title: s
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.set_title(title)
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 
 from ..accelerator import Accelerator
-from ..principles.comm import Comm
-from ..principles.partition import Unit
+from .comm import Comm
+from .partition import Unit
 
 # reduce(comm, full_grad, shard_out, async_op=...) -> handle or None: principles.zero.reduce_scatter_unit
 ReduceScatter = Callable[..., object]
@@ -58,7 +58,6 @@ class GradientBuckets:
         self._missing: dict[int, set[int]] = {}  # unit index -> its parameters whose gradient has not arrived
         self._bucket: list[int] = []  # complete units waiting for the bucket to fill
         self._inflight: list = []  # (index, staging, shard, handle) of reductions started
-        self.reductions = 0  # reduce-scatter calls issued (one per unit, grouped in buckets)
 
     def register_hooks(self) -> None:
         for unit in self.units:
@@ -102,7 +101,6 @@ class GradientBuckets:
                 shard = self.accel.empty(self.units[index].shard_numel, self.dtype, category="buckets")
                 handle = self.reduce(self.comm, staging, shard, async_op=self.overlap)
             self._inflight.append((index, staging, shard, handle))
-            self.reductions += 1
         self._bucket = []
         if not self.overlap:
             self.drain()

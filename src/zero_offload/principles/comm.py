@@ -153,6 +153,12 @@ class Comm:
         )
         return bool(tensor.item() > 0)
 
+    def raise_together(self, error: BaseException | None, elsewhere: BaseException) -> None:
+        """Raise on every rank if any rank failed: `error` where it happened, `elsewhere` on the others. A rank
+        raising alone would leave the others waiting for it in their next collective."""
+        if self.any(error is not None):
+            raise error if error is not None else elsewhere
+
     def check_same(self, what: str, value: str) -> None:
         """Fail on every rank, naming the ranks that differ, unless every rank holds the same `value`."""
         if self.world_size == 1:
@@ -168,9 +174,6 @@ class Comm:
                 f"the ranks were started with different {what}: {listing}. Every rank must load "
                 "the same config file (compare with `zo check-config FILE --world-size N`)."
             )
-
-    def reset_counts(self) -> None:
-        self.elements.clear()
 
 
 # A tensor's C++ reference count, which counts gloo's hold on it (private API: without it, nothing is awaited).

@@ -282,7 +282,7 @@ PLOTTED = ((0, "none"), (2, "none"), (2, "optimizer"), (3, "optimizer+param"))
 
 
 def _plot(path, xs, evaluate, *, xlabel: str, title: str) -> Path:
-    from .. import plots  # its matplotlib set-up (the Agg backend) and its _save
+    from .. import plots  # its matplotlib set-up (the Agg backend) and save_figure
 
     fig, ax = plots.plt.subplots(figsize=(6.8, 4.2))
     for stage, offload in PLOTTED:
@@ -298,7 +298,7 @@ def _plot(path, xs, evaluate, *, xlabel: str, title: str) -> Path:
     ax.minorticks_off()
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, title="drawn only where it fits", title_fontsize=7)
-    return plots._save(fig, path)
+    return plots.save_figure(fig, path)
 
 
 def save_plots(

@@ -18,6 +18,7 @@ import math
 import torch
 
 from ..basics.memory import ModelStateBytes, estimate_model_states
+from ..implementation.offload import OffloadedStates
 
 
 def host_unit_count(shard_sizes: list[int], ratio: float) -> int:
@@ -30,6 +31,18 @@ def host_unit_count(shard_sizes: list[int], ratio: float) -> int:
         if gap <= best_gap:  # on a tie, more on the host: the ratio names the host's share
             best, best_gap = count, gap
     return best
+
+
+class PartialOffloadStates(OffloadedStates):
+    """Module 3's offloaded states with only the leading units closest to `offload_optimizer.ratio` of this
+    rank's optimizer states on the host; the others are kept, and updated, on the device."""
+
+    def __init__(self, model, accel, precision, stage, comm, zero, **kwargs):
+        self.ratio = zero.offload_optimizer.ratio  # read while the buffers are placed, inside __init__
+        super().__init__(model, accel, precision, stage, comm, zero, **kwargs)
+
+    def _host_unit_count(self, shard_sizes: list[int]) -> int:
+        return host_unit_count(shard_sizes, self.ratio)
 
 
 def estimate_partial_offload(
