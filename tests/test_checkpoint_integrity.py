@@ -20,7 +20,7 @@ import zero_offload as zo
 from zero_offload import plots
 from zero_offload.accelerator import EmulatedAccelerator
 from zero_offload.cli import main
-from zero_offload.implementation import checkpoint, durable
+from zero_offload.implementation import checkpoint, checkpoint_format, durable
 from zero_offload.implementation.checkpoint import CheckpointError, consolidate
 from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss
 
@@ -60,7 +60,8 @@ def _edit_meta(path, **fields) -> None:
 
 def _rewrite(file, state) -> None:
     """Save `state` as a consistent rank file (its checksums recomputed), as a careful hand-editor would."""
-    state[checkpoint.CHECKSUMS] = {k: checkpoint._crc32(t) for k, t in checkpoint._tensors(state).items()}
+    tensors = checkpoint_format.saved_tensors(state)
+    state[checkpoint.CHECKSUMS] = {k: checkpoint_format.crc32(t) for k, t in tensors.items()}
     torch.save(state, file)
 
 
