@@ -43,7 +43,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-os.environ.setdefault("TQDM_DISABLE", "1")  # bench.py's progress bars are for the terminal, not the notebook
+os.environ.setdefault("TQDM_DISABLE", "1")  # the bench's progress bars are for the terminal, not the notebook
 
 import matplotlib.pyplot as plt
 import numpy as np

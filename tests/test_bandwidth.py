@@ -1,4 +1,5 @@
-"""The measurement probes of module 4 (zero_offload.tuning.bandwidth): plain numbers, quickly, on any machine.
+"""The measurement probes of module 4 (zero_offload.tuning.bandwidth, adam_probe, cache_probe): plain numbers,
+quickly, on any machine.
 
 Sizes are small so that each probe runs in a fraction of a second; the values are checked for sense (finite,
 positive, consistent with each other), never for speed: `make bench` reports speeds, no test asserts one.
@@ -12,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from zero_offload.tuning import bandwidth
+from zero_offload.tuning import adam_probe, bandwidth
 from zero_offload.tuning.build import CompilerNotFound
 
 HAS_COMPILER = any(shutil.which(cc) for cc in ("cc", "gcc", "clang"))
@@ -101,7 +102,7 @@ def test_without_a_compiler_the_profile_measures_torch_and_says_so(monkeypatch):
     def no_compiler():
         raise CompilerNotFound("no C compiler found (test)")
 
-    monkeypatch.setattr(bandwidth, "build", no_compiler)
+    monkeypatch.setattr(adam_probe, "build", no_compiler)
     profile = bandwidth.cpu_adam_profile(threads=1, form="fp16", numel=1 << 18, repeats=2)
     assert profile.impl == "torch fused" and profile.form == "fp32"
     assert "instead of the C kernel" in profile.note and "fp32 gradients only" in profile.note
@@ -150,7 +151,7 @@ def test_the_cache_profile_of_the_c_kernel():
 
 
 def test_the_flush_is_larger_than_the_last_level_cache():
-    last_level = bandwidth.cpu_caches().last_level
+    last_level = adam_probe.cpu_caches().last_level
     assert 128 * 2**20 <= bandwidth.FLUSH_BYTES <= 2**30
     if last_level and last_level <= 2**29:
         assert bandwidth.FLUSH_BYTES >= 2 * last_level

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from zero_offload import bench, bench_cpu
-from zero_offload.bench import _busy_fraction, wait_until_quiet
+from zero_offload.bench_timing import _busy_fraction, wait_until_quiet
 
 
 @pytest.mark.skipif(

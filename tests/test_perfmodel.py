@@ -15,7 +15,7 @@ import torch
 from zero_offload.basics.memory import estimate_model_states
 from zero_offload.cli import main
 from zero_offload.tuning import bandwidth, cpuinfo, hardware, perfmodel
-from zero_offload.tuning.advisor import advise, describe, recommend, smallest_ratio
+from zero_offload.tuning.advisor import advise, recommend, smallest_ratio
 from zero_offload.tuning.partial import estimate_partial_offload
 from zero_offload.tuning.perfmodel import (
     PRESETS,
@@ -27,6 +27,7 @@ from zero_offload.tuning.perfmodel import (
     plan,
     plan_all,
 )
+from zero_offload.tuning.plan_report import describe
 
 B = 10**9
 ONE_A100 = replace(PRESETS["a100-80g"], gpus=1, gpu_memory=80 * B, host_memory=256 * B)

@@ -69,7 +69,8 @@ def _plan(args) -> int:
     from dataclasses import replace
 
     from .tuning import perfmodel
-    from .tuning.advisor import advise, describe, format_plans, format_recommendation, recommend, save_plots
+    from .tuning.advisor import advise, recommend
+    from .tuning.plan_report import describe, format_plans, format_recommendation, save_plots
 
     at_least_one = {"gpus": args.gpus, "batch": args.batch, "seq": args.seq, "threads": args.threads,
                     "units": args.units, "params": args.params}  # fmt: skip

@@ -1,4 +1,4 @@
-"""The advisor on top of perfmodel.py, and what `zo plan` prints and draws.
+"""The advisor on top of perfmodel.py: which configuration to run, and what is wrong with the one chosen.
 
 The course introduction ends with a table of common mistakes. Here each row is a rule that computes its
 numbers for the hardware and model at hand, instead of quoting a rule of thumb:
@@ -10,17 +10,30 @@ numbers for the hardware and model at hand, instead of quoting a rule of thumb:
 
 `recommend` picks the fastest configuration that fits, and where the device has room for part of the
 optimizer, the smallest offload ratio that fits (the share of the optimizer step run on the host).
+
+What `zo plan` prints and draws from these is plan_report.py (its names are handed on from here too, as
+`advisor.describe` and `advisor.save_plots`).
 """
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from ..units import format_gb as gb
 from .perfmodel import HOST_RESERVE, Hardware, Plan, Workload, plan, plan_all
+from .plan_report import describe, format_plans, format_recommendation, save_plots
+
+__all__ = [
+    "Advice",
+    "Recommendation",
+    "advise",
+    "describe",
+    "format_plans",
+    "format_recommendation",
+    "recommend",
+    "save_plots",
+    "smallest_ratio",
+]
 
 PIN_WARN_FRACTION = 0.8  # pinned pages cannot be swapped: pinning most of the RAM starves everything else
 RATIO_STEP = 0.05  # partial-offload ratios are suggested in steps of 5%
@@ -214,111 +227,3 @@ def recommend(hw: Hardware, wl: Workload) -> Recommendation:
     if wl.recompute:
         config["activation_checkpointing"] = {}
     return Recommendation(best, wl, config, reasons, advise(hw, wl, best, plans))
-
-
-# -- what `zo plan` prints ----------------------------------------------------------------------------------
-def describe(hw: Hardware, wl: Workload) -> str:
-    hidden, layers = wl.shape()
-    recompute = ", activation checkpointing" if wl.recompute else ""
-    cached = ""
-    if hw.cpu_adam_cache_bytes and hw.cpu_adam_cached_params_per_s:
-        cached = (f"; {hw.cpu_adam_cached_params_per_s / 1e9:.3g} on states still in the cache, which keeps "
-                  f"{hw.cpu_adam_cache_bytes / 2**20:.0f} MiB of them between steps")  # fmt: skip
-    return (
-        f"{wl.params / 1e9:.3g}B parameters ({layers} layers x hidden {hidden}), {wl.precision}, batch "
-        f"{wl.batch} x {wl.seq_len} tokens per GPU{recompute}\n"
-        f"{hw.name}: {hw.gpus} GPU(s) of {gb(hw.gpu_memory)}, {hw.gpu_tflops:.4g} TFLOP/s x {hw.mfu:.0%} "
-        f"MFU; host {gb(hw.host_memory)}, {hw.cpu_cores} cores, memory {hw.host_memory_gb_per_s:.3g} GB/s; "
-        f"device-host link ({hw.link_kind}) {hw.link_gb_per_s:.3g} GB/s\n"
-        f"CPU Adam: {hw.cpu_adam_params_per_s / 1e9:.3g} Gparam/s the host, shared by its ranks; "
-        f"{hw.cpu_adam_thread_params_per_s / 1e9:.3g} a thread; a rank with {hw.cpu_adam_threads} thread(s) "
-        f"reaches {hw.cpu_adam_rank_params_per_s() / 1e9:.3g}{cached}"
-    )
-
-
-def format_plans(plans: list[Plan]) -> str:
-    """One row per configuration: bytes per GPU and for the whole host, fit, predicted step time."""
-    rows = [
-        f"{'configuration':<36}{'device':>10}{'host':>10}  {'fits':<15}{'serial s':>9}{'overlap s':>10}"
-        f"  {'bottleneck':<11}{'PCIe/step':>10}"
-    ]
-    rows.append("-" * len(rows[0]))
-    for p in plans:
-        short = [
-            tier
-            for tier, over in (
-                ("device", p.device_bytes > p.device_usable),
-                ("host", p.host_bytes > p.host_usable),
-            )
-            if over
-        ]
-        fits = "no: " + "+".join(short) if short else "yes"
-        rows.append(
-            f"{p.label:<36}{gb(p.device_bytes):>10}{gb(p.host_bytes):>10}  {fits:<15}"
-            f"{p.time.serial:>9.3g}{p.time.overlapped:>10.3g}  {p.time.bottleneck:<11}{gb(p.pcie_bytes):>10}"
-        )
-    rows.append(
-        "device: model states + activations + buckets, per GPU; host: model states + staging, all ranks"
-    )
-    rows.append(
-        "time: compute 6 x params x tokens FLOPs (8 with recomputation) + Adam + copies; serial adds "
-        "them up, overlap is the busiest resource alone"
-    )
-    rows.append("stage 0 cannot offload (offloading partitions the optimizer); offload_param needs stage 3")
-    return "\n".join(rows)
-
-
-def format_recommendation(rec: Recommendation) -> str:
-    if rec.plan is None:
-        return "\n".join(["Recommendation: none fits.", *(f"  - {r}" for r in rec.reasons)])
-    lines = [f"Recommendation: {rec.plan.label}", *(f"  - {r}" for r in rec.reasons)]
-    lines += [f"  {a.level}: [{a.rule}] {a.message}" for a in rec.advice]
-    lines += ["Config (DeepSpeed JSON, with zero_offload's own keys):", json.dumps(rec.config, indent=2)]
-    return "\n".join(lines)
-
-
-# -- what `zo plan --plot` draws: compute grows with the batch, the CPU step and the copies do not ----------
-PLOTTED = ((0, "none"), (2, "none"), (2, "optimizer"), (3, "optimizer+param"))
-
-
-def _plot(path, xs, evaluate, *, xlabel: str, title: str) -> Path:
-    from .. import plots  # its matplotlib set-up (the Agg backend) and save_figure
-
-    fig, ax = plots.plt.subplots(figsize=(6.8, 4.2))
-    for stage, offload in PLOTTED:
-        chosen = [evaluate(x, stage, offload) for x in xs]  # a configuration that does not fit is not drawn
-        serial = [p.time.serial if p.fits else math.nan for p in chosen]
-        overlapped = [p.time.overlapped if p.fits else math.nan for p in chosen]
-        line = ax.plot(xs, serial, marker="o", markersize=3, label=f"{chosen[0].label}, serial")[0]
-        ax.plot(
-            xs, overlapped, linestyle="--", color=line.get_color(), label=f"{chosen[0].label}, overlapped"
-        )
-    ax.set(xscale="log", xlabel=xlabel, ylabel="predicted step time (s)", title=title)
-    ax.set_xticks(xs, [f"{x:g}" for x in xs])
-    ax.minorticks_off()
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, title="drawn only where it fits", title_fontsize=7)
-    return plots.save_figure(fig, path)
-
-
-def save_plots(
-    hw: Hardware, wl: Workload, out_dir, batches=(1, 2, 4, 8, 16, 32, 64), links=(4, 8, 16, 32, 64, 128)
-) -> list[Path]:
-    """Predicted step time against the batch size and against the link bandwidth (only where it fits)."""
-    out, size = Path(out_dir), f"{wl.params / 1e9:.3g}B params on {hw.gpus} x {gb(hw.gpu_memory)}"
-    return [
-        _plot(
-            out / "step_time_vs_batch.png",
-            list(batches),
-            lambda b, s, o: plan(hw, replace(wl, batch=b), s, o),
-            xlabel="micro-batch per GPU (sequences)",
-            title=f"{size}: batch",
-        ),
-        _plot(
-            out / "step_time_vs_link.png",
-            list(links),
-            lambda g, s, o: plan(replace(hw, link_gb_per_s=g), wl, s, o),
-            xlabel="device-host link bandwidth (GB/s)",
-            title=f"{size}, batch {wl.batch}: link",
-        ),
-    ]

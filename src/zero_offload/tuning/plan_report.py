@@ -1,0 +1,129 @@
+"""What `zo plan` prints and draws: the machine and model, a table of every configuration, the
+recommendation with its advice and config, and the predicted step time against the batch and the link.
+
+The numbers come from perfmodel.py and advisor.py; this file only lays them out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..units import format_gb as gb
+from .perfmodel import Hardware, Plan, Workload, plan
+
+if TYPE_CHECKING:  # advisor.py imports this file: its Recommendation is needed for the annotation only
+    from .advisor import Recommendation
+
+
+# -- what `zo plan` prints ----------------------------------------------------------------------------------
+def describe(hw: Hardware, wl: Workload) -> str:
+    hidden, layers = wl.shape()
+    recompute = ", activation checkpointing" if wl.recompute else ""
+    cached = ""
+    if hw.cpu_adam_cache_bytes and hw.cpu_adam_cached_params_per_s:
+        cached = (
+            f"; {hw.cpu_adam_cached_params_per_s / 1e9:.3g} on states still in the cache, which keeps "
+            f"{hw.cpu_adam_cache_bytes / 2**20:.0f} MiB of them between steps"
+        )
+    return (
+        f"{wl.params / 1e9:.3g}B parameters ({layers} layers x hidden {hidden}), {wl.precision}, batch "
+        f"{wl.batch} x {wl.seq_len} tokens per GPU{recompute}\n"
+        f"{hw.name}: {hw.gpus} GPU(s) of {gb(hw.gpu_memory)}, {hw.gpu_tflops:.4g} TFLOP/s x {hw.mfu:.0%} "
+        f"MFU; host {gb(hw.host_memory)}, {hw.cpu_cores} cores, memory {hw.host_memory_gb_per_s:.3g} GB/s; "
+        f"device-host link ({hw.link_kind}) {hw.link_gb_per_s:.3g} GB/s\n"
+        f"CPU Adam: {hw.cpu_adam_params_per_s / 1e9:.3g} Gparam/s the host, shared by its ranks; "
+        f"{hw.cpu_adam_thread_params_per_s / 1e9:.3g} a thread; a rank with {hw.cpu_adam_threads} thread(s) "
+        f"reaches {hw.cpu_adam_rank_params_per_s() / 1e9:.3g}{cached}"
+    )
+
+
+def format_plans(plans: list[Plan]) -> str:
+    """One row per configuration: bytes per GPU and for the whole host, fit, predicted step time."""
+    rows = [
+        f"{'configuration':<36}{'device':>10}{'host':>10}  {'fits':<15}{'serial s':>9}{'overlap s':>10}"
+        f"  {'bottleneck':<11}{'PCIe/step':>10}"
+    ]
+    rows.append("-" * len(rows[0]))
+    for p in plans:
+        short = [
+            tier
+            for tier, over in (
+                ("device", p.device_bytes > p.device_usable),
+                ("host", p.host_bytes > p.host_usable),
+            )
+            if over
+        ]
+        fits = "no: " + "+".join(short) if short else "yes"
+        rows.append(
+            f"{p.label:<36}{gb(p.device_bytes):>10}{gb(p.host_bytes):>10}  {fits:<15}"
+            f"{p.time.serial:>9.3g}{p.time.overlapped:>10.3g}  {p.time.bottleneck:<11}{gb(p.pcie_bytes):>10}"
+        )
+    rows.append(
+        "device: model states + activations + buckets, per GPU; host: model states + staging, all ranks"
+    )
+    rows.append(
+        "time: compute 6 x params x tokens FLOPs (8 with recomputation) + Adam + copies; serial adds "
+        "them up, overlap is the busiest resource alone"
+    )
+    rows.append("stage 0 cannot offload (offloading partitions the optimizer); offload_param needs stage 3")
+    return "\n".join(rows)
+
+
+def format_recommendation(rec: Recommendation) -> str:
+    if rec.plan is None:
+        return "\n".join(["Recommendation: none fits.", *(f"  - {r}" for r in rec.reasons)])
+    lines = [f"Recommendation: {rec.plan.label}", *(f"  - {r}" for r in rec.reasons)]
+    lines += [f"  {a.level}: [{a.rule}] {a.message}" for a in rec.advice]
+    lines += ["Config (DeepSpeed JSON, with zero_offload's own keys):", json.dumps(rec.config, indent=2)]
+    return "\n".join(lines)
+
+
+# -- what `zo plan --plot` draws: compute grows with the batch, the CPU step and the copies do not ----------
+PLOTTED = ((0, "none"), (2, "none"), (2, "optimizer"), (3, "optimizer+param"))
+
+
+def _plot(path, xs, evaluate, *, xlabel: str, title: str) -> Path:
+    from .. import plots  # its matplotlib set-up (the Agg backend) and save_figure
+
+    fig, ax = plots.plt.subplots(figsize=(6.8, 4.2))
+    for stage, offload in PLOTTED:
+        chosen = [evaluate(x, stage, offload) for x in xs]  # a configuration that does not fit is not drawn
+        serial = [p.time.serial if p.fits else math.nan for p in chosen]
+        overlapped = [p.time.overlapped if p.fits else math.nan for p in chosen]
+        line = ax.plot(xs, serial, marker="o", markersize=3, label=f"{chosen[0].label}, serial")[0]
+        ax.plot(
+            xs, overlapped, linestyle="--", color=line.get_color(), label=f"{chosen[0].label}, overlapped"
+        )
+    ax.set(xscale="log", xlabel=xlabel, ylabel="predicted step time (s)", title=title)
+    ax.set_xticks(xs, [f"{x:g}" for x in xs])
+    ax.minorticks_off()
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, title="drawn only where it fits", title_fontsize=7)
+    return plots.save_figure(fig, path)
+
+
+def save_plots(
+    hw: Hardware, wl: Workload, out_dir, batches=(1, 2, 4, 8, 16, 32, 64), links=(4, 8, 16, 32, 64, 128)
+) -> list[Path]:
+    """Predicted step time against the batch size and against the link bandwidth (only where it fits)."""
+    out, size = Path(out_dir), f"{wl.params / 1e9:.3g}B params on {hw.gpus} x {gb(hw.gpu_memory)}"
+    return [
+        _plot(
+            out / "step_time_vs_batch.png",
+            list(batches),
+            lambda b, s, o: plan(hw, replace(wl, batch=b), s, o),
+            xlabel="micro-batch per GPU (sequences)",
+            title=f"{size}: batch",
+        ),
+        _plot(
+            out / "step_time_vs_link.png",
+            list(links),
+            lambda g, s, o: plan(replace(hw, link_gb_per_s=g), wl, s, o),
+            xlabel="device-host link bandwidth (GB/s)",
+            title=f"{size}, batch {wl.batch}: link",
+        ),
+    ]
