@@ -58,6 +58,7 @@ CASES = {  # name -> (stage, precision, accumulation, extra config)
     "stage2-bf16": (2, "bf16", 1, {}),
     "stage2-fp16-clip": (2, "fp16", 1, {"clip": 0.5}),
     "stage2-fp32-accumulate-torch-adam": (2, "fp32", 3, {"impl": "torch"}),
+    "stage2-bf16-accumulate-c-adam": (2, "bf16", 2, {}),
     "stage3-fp16-offload-param": (3, "fp16", 1, {"offload_param": CPU}),
     "stage2-fp32-partial-offload": (2, "fp32", 1, {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}),
     "stage2-bf16-four-slots": (2, "bf16", 1, {"ext": {"staging_slots": 4}}),

@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import math
 import os
-import time
 import warnings
 import weakref
 
@@ -30,10 +29,11 @@ from .basics.precision import (
 )
 from .config import Config, check_supported, load_config
 from .divergence import SkipGuard
-from .implementation.offload import OffloadedStates, adam_step
+from .implementation.offload import OffloadedStates
 from .implementation.schedulers import build_scheduler
+from .implementation.updaters import SerialUpdater
 from .practice.dpu import DelayedUpdate
-from .practice.nvme import NVMeStates
+from .practice.nvme import NVMeStates, NVMeUpdater
 from .practice.pipeline import HostQueue, OffloadPipeline
 from .practice.timeline import Span, Timeline, plot_timeline
 from .principles.comm import Comm, join_launcher_group
@@ -41,8 +41,8 @@ from .principles.recompute import checkpoint_blocks
 from .principles.zero import ShardedStates
 from .streams import Event
 from .tuning.build import CompilerNotFound
-from .tuning.cpu_adam import CPUAdam, one_pass_offload_step
-from .tuning.partial import PartialOffloadStates, SplitOptimizer, estimate_partial_offload
+from .tuning.cpu_adam import CPUAdam, host_adam
+from .tuning.partial import DevicePartUpdater, PartialOffloadStates, SplitOptimizer, estimate_partial_offload
 
 
 def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: list, impl: str | None = None):
@@ -122,6 +122,7 @@ class Engine:
         else:
             self.scaler = StaticLossScaler(1.0)  # bf16 and fp32 have fp32's exponent range: no scaling
         zero = config.zero_optimization
+        self._offloaded = zero.stage > 0 and zero.offload_optimizer.enabled
         if zero.stage == 0:
             self.states = MixedPrecisionStates(params, self.accelerator, config.precision, self.comm)
         elif zero.offload_optimizer.enabled:
@@ -159,8 +160,8 @@ class Engine:
             param.data = resident.copy_(param.data)
         self.optimizer = self._build_optimizers(config)
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
-        # The C Adam is only ever the host's optimizer of offloaded states (see _build_optimizers).
-        self._one_pass = isinstance(self._host_optimizer, CPUAdam)
+        # Module 3's Adam, or module 4's one-pass C Adam (only ever the host's, of offloaded states).
+        self._host_adam = host_adam(self._host_optimizer) if self._host_optimizer is not None else None
         self.ledger = MemoryLedger(self.accelerator)
         self.states.record(self.ledger)
         self._upcast = self.accelerator.compute_dtype(self.states.dtype) != self.states.dtype
@@ -171,20 +172,11 @@ class Engine:
         # Module 5: when each stage ran (practice/timeline.py); the collectives and copies record themselves.
         self._timeline = Timeline(accelerator=self.accelerator)
         self.comm.timeline = self._timeline
-        if isinstance(self.states, OffloadedStates):
+        if self._offloaded:
             self.states.transfers.timeline = self._timeline
         self._start_module5(config)
-        # Nothing to clip: the norm is only reported, and the C Adam sums it on its way through the gradients
-        # rather than in a pass of its own (serial and pipelined steps alike, so they report the same number).
-        self._norm_in_adam = (
-            self._one_pass
-            and config.gradient_clipping == 0
-            and self._delayed is None  # the delayed update's norm is reported before its Adam runs
-            and type(self.states) is OffloadedStates  # not the NVMe tier
-            and self._split == len(self.states.master_params)  # no units updated on the device
-        )
-        if self._pipeline is not None:
-            self._pipeline.norm_in_adam = self._norm_in_adam
+        self._updaters = self._build_updaters(config)
+        self._norm_in_adam = all(updater.norm_in_adam for updater in self._updaters)
         self.micro_steps = 0  # backward calls so far
         self.global_steps = 0  # optimizer steps taken or skipped
         self.skipped_steps = 0
@@ -203,7 +195,7 @@ class Engine:
         if ext.cores.device:  # this thread runs forward and backward: the emulated device's compute
             os.sched_setaffinity(0, ext.cores.device)
             torch.set_num_threads(len(ext.cores.device))
-        if ext.cores.host and self._one_pass and ext.cpu_adam.threads is None:
+        if ext.cores.host and isinstance(self._host_optimizer, CPUAdam) and ext.cpu_adam.threads is None:
             self._host_optimizer.threads = len(ext.cores.host)
         self._pipeline = self._delayed = self._host_queue = None
         if not (ext.overlap_offload or ext.delayed_param_update.enabled or ext.cores.host):
@@ -213,15 +205,46 @@ class Engine:
         if ext.overlap_offload:
             cores = list(ext.cores.host) or None
             self._pipeline = OffloadPipeline(
-                self.states, self.accelerator, host=host, cores=cores, slots=ext.staging_slots
+                self.states,
+                self.accelerator,
+                host=host,
+                host_adam=self._host_adam,
+                needs_whole_gradient=config.fp16.enabled or config.gradient_clipping > 0,
+                micro_batches=config.gradient_accumulation_steps,
+                norm_in_adam=self._wants_norm_in_adam(config),
+                cores=cores,
+                slots=ext.staging_slots,
             )
-            self._pipeline.optimizer = self._host_optimizer
-            self.states.pipeline = self._pipeline
         if ext.delayed_param_update.enabled:
             # With the pipeline every write of the host's gradients is queued on `host` behind Adam: no copy.
             self._delayed = DelayedUpdate(
                 host, ext.delayed_param_update.start_step, copy_gradients=self._pipeline is None
             )
+
+    def _wants_norm_in_adam(self, config: Config) -> bool:
+        """Whether the host's Adam sums the gradient norm in its own pass: the C Adam can, and then the norm need
+        not be known before Adam runs: nothing to clip. Not under DPU, whose norm is reported before its Adam
+        runs; serial and pipelined steps alike, so that they report the same number."""
+        sums = self._host_adam is not None and self._host_adam.sums_norm
+        whole = self._split == len(self.states.master_params)  # module 4's device units sum it in no pass
+        dpu = config.zero_offload.delayed_param_update.enabled
+        return sums and whole and config.gradient_clipping == 0 and not dpu
+
+    def _build_updaters(self, config: Config) -> list:
+        """Who runs Adam at the step (implementation/updaters.py): the host's (or the device's) part, then, with a
+        partial offload, the units kept on the device."""
+        states, timeline, norm_in_adam = self.states, self._timeline, self._wants_norm_in_adam(config)
+        updaters = []
+        if self._pipeline is not None:  # module 5: overlapped with backward and the copies
+            updaters.append(self._pipeline)
+        elif self._offloaded and config.zero_optimization.offload_optimizer.device == "nvme":  # module 5
+            updaters.append(NVMeUpdater(states, self._host_adam, timeline=timeline))
+        elif self._host_adam is not None:
+            updaters.append(SerialUpdater(states, self._host_adam, self._split, timeline=timeline,
+                                          queue=self._host_queue, norm_in_adam=norm_in_adam))  # fmt: skip
+        if self._split < len(states.master_params):  # module 4: the units kept on the device
+            updaters.append(DevicePartUpdater(states, self._device_optimizer, self._split, timeline=timeline))
+        return updaters
 
     def _build_optimizers(self, config: Config):
         """One Adam over every master partition; with a partial offload, one on the host and one on the device.
@@ -230,9 +253,10 @@ class Engine:
         Adam (or module 1's naive one, when that is the choice)."""
         states, impl = self.states, config.zero_offload.cpu_adam.impl
         device_impl = "naive" if impl == "naive" else "torch"
-        host_impl = impl if isinstance(states, OffloadedStates) else device_impl
+        host_impl = impl if self._offloaded else device_impl
         lists = (states.master_params, states.exp_avgs, states.exp_avg_sqs)
-        self._split = split = getattr(states, "host_units", len(states.master_params))
+        # The first optimizer's units: the host's when offloaded (all but module 4's device units), else all.
+        self._split = split = states.host_units if self._offloaded else len(states.master_params)
         if split == len(states.master_params):
             self._host_optimizer = build_optimizer(config, *lists, impl=host_impl)
             return self._host_optimizer
@@ -325,19 +349,10 @@ class Engine:
             raise ValueError(
                 f"backward needs a scalar loss, got shape {tuple(loss.shape)}; reduce it first (mean)"
             )
-        if self._pipeline is not None:
-            # Adam may start before backward ends only if nothing needs the whole gradient first.
+        if self._pipeline is not None:  # module 5 decides how far this backward may run ahead of the step
             last = (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
-            self._pipeline.final = last
-            self._pipeline.eager = (
-                last
-                and not self.config.fp16.enabled
-                and self.config.gradient_clipping == 0
-                and not (self._delayed is not None and self._delayed.active(self.global_steps))
-                # Uploading while backward runs needs an upload stream that can wait for the host's Adam.
-                and self._pipeline.upload.waits_without_blocking
-            )
-            self._pipeline.direct = self._one_pass and self.gradient_accumulation_steps == 1
+            delayed = self._delayed is not None and self._delayed.active(self.global_steps)
+            self._pipeline.begin_backward(last=last, delayed=delayed)
         skip = self._nonfinite_loss(loss)
         self.states.before_backward()  # and after_backward: stage 3 releases what forward gathered
         if not skip:
@@ -414,54 +429,25 @@ class Engine:
     def _update(self, record: dict) -> str | None:
         """Adam over every partition and the new weights published; or, for a non-finite gradient norm seen
         before any Adam ran, nothing, and the reason to skip the step."""
-        states = self.states
-        grads = states.fp32_gradients(1.0 / self.scaler.scale)
-        norms = [] if self._norm_in_adam else None  # each unit's squared norm, summed by the C Adam
+        grads = self.states.fp32_gradients(1.0 / self.scaler.scale)
+        norms = (
+            [] if self._norm_in_adam else None
+        )  # each unit's squared norm, summed by the C Adam on its way
         clip_factor = 1.0 if self._norm_in_adam else self._clip_factor(grads, record)
         if clip_factor is None:
             if self._pipeline is not None and self._pipeline.updated:  # eager: Adam ran during backward
                 how = "the overlapped pipeline runs Adam on each unit during backward (no clipping, no fp16)"
                 raise self.skip_guard.poisoned(self.global_steps + 1, record["grad_norm"], how)
             return "non-finite gradient norm"
-        start, split = time.perf_counter(), self._split
-        if isinstance(states, NVMeStates):  # module 5: the partition comes from files a sub-group at a time
-            states.step(self._host_optimizer, grads, clip_factor, one_pass=self._one_pass)
-            self._timeline.add("Adam", start, time.perf_counter())
-        elif (
-            self._pipeline is not None
-        ):  # module 5: unit by unit, overlapped with the uploads (or done already)
-            self._pipeline.update(clip_factor)
-            self._pipeline.wait()
-            states.uploaded_units = set(range(states.host_units))
-            if norms is not None:
-                norms += [self._pipeline.squared_norms[i] for i in range(states.host_units)]
-        elif self._host_queue is not None:  # serial, on the host's own cores: the device waits meanwhile
-            self._host_queue.submit(self._host_update, grads[:split], clip_factor, norms).wait()
-            self._timeline.add("Adam", start, time.perf_counter())
-        else:
-            self._host_update(grads[:split], clip_factor, norms)
-            self._timeline.add("Adam", start, time.perf_counter())
+        seconds = [updater.update(grads, clip_factor, norms) for updater in self._updaters]
+        record["adam_seconds"] = seconds[0] if seconds else 0.0  # the host's, when offloaded
         if norms is not None:
             record["grad_norm"] = math.sqrt(self.comm.sum(sum(norms)))
             if not math.isfinite(record["grad_norm"]):
                 how = "without gradient_clipping the C Adam sums the norm in its own pass over the gradients"
                 raise self.skip_guard.poisoned(self.global_steps + 1, record["grad_norm"], how)
-        record["adam_seconds"] = (
-            self._pipeline.adam_seconds if self._pipeline else time.perf_counter() - start
-        )
-        if split < len(grads):  # module 4's partial offload: the rest of the units are updated on the device
-            with self._timeline.span("Adam"):
-                adam_step(self._device_optimizer, states.master_params[split:], grads[split:], clip_factor)
-        states.publish()
+        self.states.publish()
         return None
-
-    def _host_update(self, grads: list[torch.Tensor], clip_factor: float, norms: list | None = None) -> None:
-        """Module 3's serial Adam over the host's partition (module 4: in one pass with the rounding; `norms`
-        collects each unit's squared gradient norm from that pass)."""
-        if self._one_pass:
-            one_pass_offload_step(self.states, self._host_optimizer, grads, clip_factor, norms=norms)
-        elif self._host_optimizer is not None:
-            adam_step(self._host_optimizer, self.states.master_params[: self._split], grads, clip_factor)
 
     def _delayed_step(self, record: dict, skip: str | None) -> str | None:
         """Module 5's delayed update: publish step t-1's update, launch step t's on the host (practice/dpu.py).
@@ -473,22 +459,22 @@ class Engine:
         timeline = self._timeline
 
         def adam(snapshot):  # runs on the host queue while forward and backward of the next step run
-            with timeline.span("Adam"):
-                self._host_update(snapshot, clip_factor)
+            with timeline.span("Adam"):  # the whole partition is the host's: DPU refuses a partial offload
+                self._host_adam.step(self.states, snapshot, clip_factor)
 
         self._delayed.step(grads, adam, self._publish_delayed, skip=skip is not None)
         pipeline, in_flight = self._pipeline, self._delayed.in_flight
         # Early uploads wait for the host's Adam on the upload stream: only where that does not block backward.
-        early = pipeline is not None and self._one_pass and pipeline.upload.waits_without_blocking
+        early = (
+            pipeline is not None and self._host_adam.rounds_in_pass and pipeline.upload.waits_without_blocking
+        )
         if early and in_flight is not None:
             pipeline.upload_during_backward(in_flight)
         return skip
 
     def _publish_delayed(self) -> Event:
         """Publish the update that has landed; the event of its uploads, which read what the next Adam writes."""
-        if self._pipeline is not None:  # the units whose new weights went up during backward already
-            self.states.uploaded_units = self._pipeline.take_early_uploads()
-        self.states.publish()
+        self.states.publish()  # with the pipeline, but for the units whose weights went up during backward
         if self.lr_scheduler is not None:  # the update that just landed read the old rate: move on now
             self.lr_scheduler.step()
         return self.accelerator.record_event()

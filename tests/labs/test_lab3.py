@@ -30,7 +30,6 @@ def _reference_helpers(keep: str, patch=setattr) -> None:
 
     Rank processes patch for good (they exit after the test); in the test process pass monkeypatch.setattr.
     """
-    from zero_offload import engine
 
     def gradients_to_host(transfers, device_shard, host_staging, host_grad, inv_scale):
         transfers.to_host(host_staging, device_shard)
@@ -60,8 +59,6 @@ def _reference_helpers(keep: str, patch=setattr) -> None:
     for task, function in references.items():
         if task != keep:
             patch(offload, function.__name__, function)
-            if function.__name__ == "adam_step":
-                patch(engine, "adam_step", function)
 
 
 def _train(

@@ -35,10 +35,9 @@ import time
 import torch
 
 from ..accelerator import Accelerator
-from ..implementation.offload import adam_step, host_buffer
+from ..implementation.offload import HostAdam, host_buffer
 from ..principles.zero import squared_norm
 from ..streams import Event, WorkerStream
-from ..tuning.cpu_adam import CPUAdam, one_pass_update
 
 
 class HostQueue(WorkerStream):
@@ -80,8 +79,25 @@ class OffloadPipeline:
     """Runs the offloaded part of a step (OffloadedStates' host units) through the copy stream (D2H), the host
     queue and the upload stream (H2D)."""
 
-    def __init__(self, states, accel: Accelerator, *, host: HostQueue, cores=None, slots: int = 2):
+    def __init__(
+        self,
+        states,
+        accel: Accelerator,
+        *,
+        host: HostQueue,
+        host_adam: HostAdam,
+        needs_whole_gradient: bool,
+        micro_batches: int,
+        norm_in_adam: bool,
+        cores=None,
+        slots: int = 2,
+    ):
+        """`needs_whole_gradient`: Adam must wait for backward's end (fp16's overflow check, clipping to the
+        global norm); `micro_batches`: gradient accumulation steps; `norm_in_adam`: the host's Adam sums each
+        unit's squared norm in its own pass (nothing to clip, so nothing needs the norm before Adam)."""
         self.states, self.accel = states, accel
+        self.host_adam = host_adam
+        self.needs_whole_gradient, self.micro_batches = needs_whole_gradient, micro_batches
         # On the emulated device the copies are memcpy by a CPU core: the host's (`cores`), standing in for
         # the DMA engines, so that they do not take the device's compute core. One stream for each direction.
         self.copy = accel.new_stream("zo-d2h", cores)
@@ -98,8 +114,7 @@ class OffloadPipeline:
         self.weight_slots = None
         if states.dtype != torch.float32 and not states.offload_param:
             self.weight_slots = ring(states.dtype)
-        self.optimizer = None  # the host's Adam, set by the engine
-        self.eager = False  # Adam runs as each gradient arrives (decided per backward by the engine)
+        self.eager = False  # Adam runs as each gradient arrives (decided at each backward: begin_backward)
         self.final = False  # this backward is the last micro-batch before the step
         # Eager with a single micro-batch and the C Adam: the gradient is never added anywhere, so Adam reads
         # the staging slot itself, and the fp32 gradient partition is neither written nor cleared.
@@ -108,7 +123,7 @@ class OffloadPipeline:
         # used: a direct run never uses it), "zero", or "dirty" once something was added into it.
         self.grads = "undefined"
         self.squared_norms: dict[int, float] = {}  # unit -> squared norm of its complete gradient
-        self.norm_in_adam = False  # the C Adam sums the norm in its pass (set by the engine: no clipping)
+        self.norm_in_adam = norm_in_adam
         self.clip_factor = 1.0
         self._pending: list[Event] = []  # what must finish before the step can go on
         self._alive: list[tuple[torch.Tensor, Event]] = []  # device shards whose copy may still read them
@@ -117,6 +132,19 @@ class OffloadPipeline:
         # DPU: the delayed update in flight, whose weights may go up unit by unit during the next backward.
         self._early_after: Event | None = None
         self.early: dict[int, Event] = {}  # unit -> the upload of its new weights, queued during backward
+
+        states.hand_gradients_to(self)
+
+    def begin_backward(self, *, last: bool, delayed: bool) -> None:
+        """Decide how far this backward may run ahead of the step. `last`: the last micro-batch before the step;
+        `delayed`: the delayed update is on for this step (its Adam runs at the step, on a snapshot)."""
+        self.final = last
+        # Adam may start before backward has ended only if nothing needs the whole gradient first, and if the
+        # upload stream can wait for the host's Adam without blocking backward's thread (not a CUDA stream).
+        self.eager = (
+            last and not self.needs_whole_gradient and not delayed and self.upload.waits_without_blocking
+        )
+        self.direct = self.host_adam.reads_low_precision_grads and self.micro_batches == 1
 
     # -- backward: called by OffloadedStates as each reduced shard is ready -----------------------------------
     def deliver(self, index: int, shard: torch.Tensor) -> None:
@@ -175,14 +203,21 @@ class OffloadPipeline:
             self.grads = "zero"
 
     # -- the step ------------------------------------------------------------------------------------------
-    def update(self, clip_factor: float) -> None:
-        """Adam over every host unit not yet updated, each unit's upload overlapping the next unit's Adam."""
+    def update(self, grads: list[torch.Tensor], clip_factor: float, norms: list | None = None) -> float:
+        """The step's part (the updater's call, see implementation/updaters.py): Adam over every host unit
+        not yet updated during backward, each unit's upload overlapping the next unit's Adam; then wait. The
+        gradients are the fp32 partition this pipeline filled. `norms` gets each unit's squared norm as its
+        Adam summed it. Returns the seconds Adam ran on the host."""
         self.clip_factor = clip_factor
         missed = [i for i in range(self.states.host_units) if i not in self.updated]
         if missed:  # a unit no gradient reached (unused this step) reads zeros, as in the serial step
             self._clear_grads_if("undefined")
         for index in missed:
             self._update_unit(index)
+        self.wait()
+        if norms is not None:
+            norms += [self.squared_norms[i] for i in range(self.states.host_units)]
+        return self.adam_seconds
 
     def _update_unit(self, index: int, grad: torch.Tensor | None = None) -> Event:
         """Queue Adam on unit `index` behind what the host queue already holds, then its weights' upload;
@@ -230,22 +265,22 @@ class OffloadPipeline:
             event.wait()
         return set(early)
 
+    def published_units(self) -> set[int]:
+        """The units whose new weights this step already went where forward reads them (rounded, and uploaded
+        unless they live on the host): publish() leaves them alone."""
+        return self.take_early_uploads() | self.updated
+
     def _adam(self, index: int, out: torch.Tensor | None, staged: torch.Tensor | None = None) -> None:
-        states, optimizer = self.states, self.optimizer
+        states = self.states
         master, grad = states.master_params[index], states.grad_shards[index]
         start = time.perf_counter()
         if staged is not None:  # straight from the slot: the gradient is this micro-batch's, loss scale 1
             grad = staged
             if not self.norm_in_adam:
                 self.squared_norms[index] = squared_norm(grad)
-        if isinstance(optimizer, CPUAdam):  # module 4: Adam and the rounding (and the norm) in one pass
-            squares = one_pass_update(optimizer, master, grad, out, self.clip_factor, norm=self.norm_in_adam)
-            if squares is not None:
-                self.squared_norms[index] = squares
-        else:
-            adam_step(optimizer, [master], [grad], self.clip_factor)
-            if out is not None:
-                out.copy_(master)
+        squares = self.host_adam.update(master, grad, out, self.clip_factor, norm=self.norm_in_adam)
+        if squares is not None:
+            self.squared_norms[index] = squares
         end = time.perf_counter()
         self.adam_seconds += end - start
         if states.transfers.timeline is not None:

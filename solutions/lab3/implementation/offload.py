@@ -161,6 +161,44 @@ def adam_step(
     # END LAB 3.2
 
 
+class HostAdam:
+    """The host's Adam over this rank's units: the whole partition at the step, or one unit as it arrives.
+
+    Module 3's is torch's optimizer (`adam_step`, Lab 3.2): Adam on the fp32 masters, the rounding to fp16/bf16
+    left to publish() (Lab 3.3). Module 4's C Adam (tuning/cpu_adam.py, OnePassAdam) does more in its one pass
+    over the memory: it rounds into the staging buffer publish uploads, reads fp16/bf16 gradients as they came
+    down the link, and sums the gradient's norm on the way. The capabilities say which of these it does.
+    """
+
+    rounds_in_pass = False  # step() leaves every unit's rounded weights in the states' staging buffers
+    reads_low_precision_grads = False  # update() may be given the fp16/bf16 staging slot as its gradient
+    sums_norm = False  # update(norm=True) returns the gradient's squared norm, summed in the same pass
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def step(self, states, grads: list[torch.Tensor], clip_factor: float, units=None, norms=None) -> None:
+        """Adam over the host's units of `states` (or only `units`, indices), each with its fp32 gradient."""
+        masters = states.master_params
+        chosen = range(len(grads)) if units is None else units
+        adam_step(self.optimizer, [masters[i] for i in chosen], [grads[i] for i in chosen], clip_factor)
+
+    def update(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        out: torch.Tensor | None,
+        clip_factor: float,
+        *,
+        norm=False,
+    ) -> float | None:
+        """Adam on one unit, then its weights rounded into `out` (None: nothing to round, fp32 or in place)."""
+        adam_step(self.optimizer, [master], [grad], clip_factor)
+        if out is not None:
+            out.copy_(master)
+        return None
+
+
 def upload_weights(
     transfers: Transfers, master: torch.Tensor, host_low: torch.Tensor, device_shard: torch.Tensor
 ) -> None:
@@ -217,13 +255,17 @@ class OffloadedStates(ShardedStates):
         # Set by module 4's one-pass CPU Adam, which writes the fp16 weights into the staging buffers itself.
         self.weights_rounded = False
         # Module 5's overlapped pipeline (practice/pipeline.py), when on: it moves the host units' gradients
-        # down during backward and their weights up after Adam, and names the units it uploaded here.
+        # down during backward and their weights up after Adam, and says which units it has published.
         self.pipeline = None
-        self.uploaded_units: set[int] = set()
         super().__init__(model, accel, precision, stage, comm, zero)
 
     def _partitions_gradients(self) -> bool:
         return True  # gradients leave the device as backward makes them, at every stage
+
+    def hand_gradients_to(self, pipeline) -> None:
+        """From now on the host units' gradient shards go to `pipeline` (module 5) as they are reduced, and it
+        rounds and uploads the weights of the units it updates."""
+        self.pipeline = pipeline
 
     # -- where each buffer lives -------------------------------------------------------------------------------
     def _host(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -338,7 +380,7 @@ class OffloadedStates(ShardedStates):
 
     def publish(self) -> None:
         rounded, self.weights_rounded = self.weights_rounded, False
-        uploaded, self.uploaded_units = self.uploaded_units, set()
+        uploaded = self.pipeline.published_units() if self.pipeline is not None else set()
         for index in range(len(self.units)):
             if index in uploaded:  # module 5's pipeline did the rounding and upload
                 if self.offload_param:

@@ -11,7 +11,7 @@ from ..streams import Event, WorkerStream, on_worker_stream
 from ..units import format_bytes
 from .base import CATEGORIES, Accelerator, DeviceOutOfMemoryError, MemoryStats, offload_hint
 from .host_allocator import keep_freed_blocks
-from .saved_tensors import _ChargeSavedTensors
+from .saved_tensors import ChargeSavedTensors
 
 
 class _Allocation:
@@ -179,7 +179,7 @@ class EmulatedAccelerator(Accelerator):
         weakref.finalize(storage, self._compute_copies.pop, key, None)
 
     def activations(self, storage_dtype: torch.dtype = torch.float32):
-        return _ChargeSavedTensors(self, storage_dtype)
+        return ChargeSavedTensors(self, storage_dtype)
 
 
 def _copy_again(target: weakref.ref, src: torch.Tensor) -> None:

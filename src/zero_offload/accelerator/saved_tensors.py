@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from .emulated import EmulatedAccelerator
 
 
-class _ChargeSavedTensors(torch.autograd.graph.saved_tensors_hooks):
+class ChargeSavedTensors(torch.autograd.graph.saved_tensors_hooks):
     """Charge what autograd saves for backward, as the device would hold it, until backward frees it.
 
     A fp32 activation is charged at the storage precision (2 bytes in an fp16 run): a GPU computing in fp16
@@ -74,7 +74,7 @@ class _SavedHandle:
 
     __slots__ = ("owner", "key", "tensor")
 
-    def __init__(self, owner: _ChargeSavedTensors, key: int, tensor: torch.Tensor):
+    def __init__(self, owner: ChargeSavedTensors, key: int, tensor: torch.Tensor):
         self.owner, self.key, self.tensor = owner, key, tensor
 
     def __del__(self):

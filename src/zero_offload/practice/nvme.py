@@ -35,9 +35,8 @@ from pathlib import Path
 
 import torch
 
-from ..implementation.offload import OffloadedStates, adam_step
+from ..implementation.offload import OffloadedStates
 from ..principles.zero import fill_shard
-from ..tuning.cpu_adam import one_pass_offload_step
 from .nvme_files import STATES, NVMeError, NVMePathError, SwapFiles, os_error
 
 __all__ = ["STATES", "NVMeError", "NVMePathError", "NVMeStates", "SwapFiles", "sub_groups"]
@@ -185,8 +184,9 @@ class NVMeStates(OffloadedStates):
 
     # -- the step -------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, optimizer, grads: list[torch.Tensor], clip_factor: float, *, one_pass: bool) -> None:
+    def step(self, host_adam, grads: list[torch.Tensor], clip_factor: float) -> None:
         """Adam over the whole partition, sub-group by sub-group, with reads ahead and writes behind."""
+        optimizer = host_adam.optimizer
         counts = [optimizer.state[master]["step"].clone() for master in self.master_params]
         reads, writes, last_write, error = [], [], [None] * self.slots, None
         try:
@@ -196,11 +196,8 @@ class NVMeStates(OffloadedStates):
                     ahead = len(reads)
                     reads.append(self._reader.submit(self._read_after, ahead, last_write[ahead % self.slots]))
                 reads[g].result()
-                if one_pass:  # module 4: Adam and the rounding into the staging buffers in one pass
-                    one_pass_offload_step(self, optimizer, grads, clip_factor, units=group)
-                else:
-                    masters = [self.master_params[i] for i in group]
-                    adam_step(optimizer, masters, [grads[i] for i in group], clip_factor)
+                host_adam.step(self, grads, clip_factor, units=group)
+                if not host_adam.rounds_in_pass:  # module 4's C Adam rounds into the staging buffers itself
                     self._round(group)
                 last_write[g % self.slots] = self._writer.submit(_timed, self._write_group, g)
                 writes.append(last_write[g % self.slots])
@@ -273,3 +270,19 @@ class NVMeStates(OffloadedStates):
         if self.dtype == torch.float32 and not self.offload_param:  # the CPU tier uploads from its master
             extra = self.param_staging[0].untyped_storage().nbytes()
         return super().host_staging_bytes() + extra
+
+
+class NVMeUpdater:
+    """The NVMe tier's Adam at the step: the partition read from its files a sub-group at a time."""
+
+    norm_in_adam = False  # the sub-groups are stepped as they arrive; the norm is taken before
+
+    def __init__(self, states: NVMeStates, adam, *, timeline):
+        self.states, self.adam, self.timeline = states, adam, timeline
+
+    def update(self, grads: list[torch.Tensor], clip_factor: float, norms=None) -> float:
+        start = time.perf_counter()
+        self.states.step(self.adam, grads, clip_factor)
+        end = time.perf_counter()
+        self.timeline.add("Adam", start, end)
+        return end - start

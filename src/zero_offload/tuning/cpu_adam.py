@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from ..implementation.offload import HostAdam
 from .build import build
 
 GRAD_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -235,3 +236,23 @@ def one_pass_offload_step(
         if norms is not None:
             norms.append(squares)
     states.weights_rounded = True
+
+
+class OnePassAdam(HostAdam):
+    """Module 4's host Adam: the C kernel's one pass per unit reads the gradient in its own precision, updates
+    the fp32 master and moments, writes the fp16/bf16 weights publish uploads, and sums the norm."""
+
+    rounds_in_pass = True
+    reads_low_precision_grads = True
+    sums_norm = True
+
+    def step(self, states, grads: list[torch.Tensor], clip_factor: float, units=None, norms=None) -> None:
+        one_pass_offload_step(states, self.optimizer, grads, clip_factor, units, norms=norms)
+
+    def update(self, master, grad, out, clip_factor: float, *, norm=False) -> float | None:
+        return one_pass_update(self.optimizer, master, grad, out, clip_factor, norm=norm)
+
+
+def host_adam(optimizer: torch.optim.Optimizer) -> HostAdam:
+    """The host's Adam for `optimizer`: module 4's one-pass update for the C Adam, module 3's otherwise."""
+    return OnePassAdam(optimizer) if isinstance(optimizer, CPUAdam) else HostAdam(optimizer)
