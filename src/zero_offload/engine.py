@@ -19,7 +19,6 @@ import weakref
 import torch
 
 from .accelerator import Accelerator, HintOnOutOfMemory, get_accelerator
-from .basics.adam import Adam
 from .basics.memory import MemoryLedger, MemoryReport, estimate_model_states
 from .basics.precision import (
     DynamicLossScaler,
@@ -32,56 +31,17 @@ from .divergence import SkipGuard
 from .implementation.offload import OffloadedStates
 from .implementation.schedulers import build_scheduler
 from .implementation.updaters import SerialUpdater
-from .practice.dpu import DelayedUpdate
+from .model_setup import check_same_parameters, install_upcast_hooks, place_buffers_and_frozen, to_device
+from .optimizers import build_optimizers
+from .practice.dpu import DelayedUpdate, DelayedUpdater
 from .practice.nvme import NVMeStates, NVMeUpdater
 from .practice.pipeline import HostQueue, OffloadPipeline
 from .practice.timeline import Span, Timeline, plot_timeline
 from .principles.comm import Comm, join_launcher_group
 from .principles.recompute import checkpoint_blocks
 from .principles.zero import ShardedStates
-from .streams import Event
-from .tuning.build import CompilerNotFound
 from .tuning.cpu_adam import CPUAdam, host_adam
-from .tuning.partial import DevicePartUpdater, PartialOffloadStates, SplitOptimizer, estimate_partial_offload
-
-
-def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: list, impl: str | None = None):
-    """The Adam that updates the fp32 `params`, with its moments living in the buffers the states allocated.
-
-    `impl` defaults to the config's zero_offload.cpu_adam.impl ("simd", "torch" or "naive")."""
-    opt, impl = config.optimizer, impl or config.zero_offload.cpu_adam.impl
-    kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
-    optimizer = _simd_optimizer(config, params, kwargs) if impl == "simd" else None  # module 4's C Adam
-    if optimizer is None and impl == "naive":
-        optimizer = Adam(params, adamw=opt.adamw, **kwargs)
-    elif optimizer is None:
-        if not opt.bias_correction:
-            raise ValueError(
-                'optimizer.params.bias_correction=false needs "zero_offload": '
-                '{"cpu_adam": {"impl": "naive"}}; torch.optim.Adam always corrects the bias'
-            )
-        cls = torch.optim.AdamW if opt.adamw else torch.optim.Adam
-        optimizer = cls(params, fused=True, **kwargs)
-    # Filled in before the first step, so the optimizer never allocates moments of its own behind our back.
-    for param, exp_avg, exp_avg_sq in zip(params, exp_avgs, exp_avg_sqs, strict=True):
-        optimizer.state[param] = {
-            "step": torch.zeros((), dtype=torch.float32, device=param.device),
-            "exp_avg": exp_avg,
-            "exp_avg_sq": exp_avg_sq,
-        }
-    return optimizer
-
-
-def _simd_optimizer(config: Config, params: list, kwargs: dict):
-    """The C CPU Adam (module 4), or None, with one warning, where no C compiler can build it."""
-    cpu_adam = config.zero_offload.cpu_adam
-    try:
-        return CPUAdam(params, adamw=config.optimizer.adamw, bias_correction=config.optimizer.bias_correction,
-                       threads=cpu_adam.threads, **kwargs)  # fmt: skip
-    except CompilerNotFound as err:
-        warnings.warn(f"{err}. Falling back to torch.optim's fused Adam for now.", stacklevel=3)
-        return None
-
+from .tuning.partial import DevicePartUpdater, PartialOffloadStates, estimate_partial_offload
 
 # Engines not closed yet. At exit they are closed, so that a script which never calls engine.close() still ends
 # cleanly (no thread of the engine's running, the group it joined destroyed) while the interpreter is whole.
@@ -113,7 +73,7 @@ class Engine:
                 "pass the config through zo.initialize so that it reads the world size itself"
             )
         self.comm.check_same("configs", config.fingerprint())
-        _check_same_parameters(self.comm, model)  # before the states' collectives, which would mispair
+        check_same_parameters(self.comm, model)  # before the states' collectives, which would mispair
         params = unique_parameters(model)
         if not params:
             raise ValueError("the model has no trainable parameters")
@@ -147,26 +107,17 @@ class Engine:
             )
         self.params = self.states.params
         self.num_params = self.states.numel
-        # Buffers (masks, running stats) and frozen parameters follow the model to the device, in the precision
-        # forward computes in: a GPU run would otherwise meet fp32 or host tensors among its fp16 ones.
-        for buf in model.buffers():
-            dtype = resident_dtype(buf, self.accelerator, self.states.dtype, parameter=False)
-            buf.data = buf.data.to(self.accelerator.device, dtype)
-        # Frozen ones are no model state (no gradient, no Adam, not sharded), but device memory all the same.
-        frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
-        for param in frozen.values():
-            dtype = resident_dtype(param, self.accelerator, self.states.dtype, parameter=True)
-            resident = self.accelerator.empty(param.shape, dtype, category="parameters")
-            param.data = resident.copy_(param.data)
-        self.optimizer = self._build_optimizers(config)
+        place_buffers_and_frozen(model, self.accelerator, self.states.dtype)
+        optimizers = build_optimizers(config, self.states, offloaded=self._offloaded)
+        self.optimizer, self._split = optimizers.optimizer, optimizers.split
+        self._host_optimizer, self._device_optimizer = optimizers.host, optimizers.device
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
         # Module 3's Adam, or module 4's one-pass C Adam (only ever the host's, of offloaded states).
         self._host_adam = host_adam(self._host_optimizer) if self._host_optimizer is not None else None
         self.ledger = MemoryLedger(self.accelerator)
         self.states.record(self.ledger)
-        self._upcast = self.accelerator.compute_dtype(self.states.dtype) != self.states.dtype
-        if self._upcast:
-            self._install_upcast_hooks()
+        if self.accelerator.compute_dtype(self.states.dtype) != self.states.dtype:
+            install_upcast_hooks(model, self.accelerator)
         if config.activation_checkpointing.enabled:
             checkpoint_blocks(model, self.accelerator, self.states.dtype)
         # Module 5: when each stage ran (practice/timeline.py); the collectives and copies record themselves.
@@ -217,9 +168,12 @@ class Engine:
             )
         if ext.delayed_param_update.enabled:
             # With the pipeline every write of the host's gradients is queued on `host` behind Adam: no copy.
-            self._delayed = DelayedUpdate(
+            update = DelayedUpdate(
                 host, ext.delayed_param_update.start_step, copy_gradients=self._pipeline is None
             )
+            self._delayed = DelayedUpdater(update, self.states, self._host_adam, accel=self.accelerator,
+                                           timeline=self._timeline, pipeline=self._pipeline,
+                                           lr_scheduler=self.lr_scheduler)  # fmt: skip
 
     def _wants_norm_in_adam(self, config: Config) -> bool:
         """Whether the host's Adam sums the gradient norm in its own pass: the C Adam can, and then the norm need
@@ -246,74 +200,11 @@ class Engine:
             updaters.append(DevicePartUpdater(states, self._device_optimizer, self._split, timeline=timeline))
         return updaters
 
-    def _build_optimizers(self, config: Config):
-        """One Adam over every master partition; with a partial offload, one on the host and one on the device.
-
-        zero_offload.cpu_adam.impl chooses the host's Adam; states on the device are updated by torch's fused
-        Adam (or module 1's naive one, when that is the choice)."""
-        states, impl = self.states, config.zero_offload.cpu_adam.impl
-        device_impl = "naive" if impl == "naive" else "torch"
-        host_impl = impl if self._offloaded else device_impl
-        lists = (states.master_params, states.exp_avgs, states.exp_avg_sqs)
-        # The first optimizer's units: the host's when offloaded (all but module 4's device units), else all.
-        self._split = split = states.host_units if self._offloaded else len(states.master_params)
-        if split == len(states.master_params):
-            self._host_optimizer = build_optimizer(config, *lists, impl=host_impl)
-            return self._host_optimizer
-        host = build_optimizer(config, *(x[:split] for x in lists), impl=host_impl) if split else None
-        self._host_optimizer = host
-        self._device_optimizer = build_optimizer(config, *(x[split:] for x in lists), impl=device_impl)
-        return SplitOptimizer(host, self._device_optimizer)
-
     # -- forward ---------------------------------------------------------------------------------------------------
-    def _install_upcast_hooks(self) -> None:
-        """Compute in fp32 on a device that stores fp16/bf16: each layer's weights are upcast just before use.
-
-        The fp32 copy is differentiable, so its gradient flows back into the fp16 `.grad`, exactly where a GPU
-        computing in fp16 would put it. The copies are marked as artefacts, not charged to the device.
-        """
-        accel = self.accelerator
-
-        def upcast(module, args):
-            module._zo_stored = []  # (owner, name, stored parameter)
-            # nn.MultiheadAttention reads out_proj's weights without calling out_proj: upcast them here too.
-            owners = (
-                [module, module.out_proj] if isinstance(module, torch.nn.MultiheadAttention) else [module]
-            )
-            for owner in owners:
-                for name, param in owner._parameters.items():
-                    if param is not None and param.dtype != torch.float32:
-                        compute = param.to(torch.float32)
-                        accel.mark_compute_copy(compute, param)
-                        module._zo_stored.append((owner, name, param))
-                        owner._parameters[name] = compute
-
-        def restore(module, args, output):
-            for owner, name, param in getattr(module, "_zo_stored", ()):
-                owner._parameters[name] = param
-            module._zo_stored = []
-
-        for module in self.model.modules():
-            if any(p is not None for p in module._parameters.values()):
-                module.register_forward_pre_hook(upcast)
-                module.register_forward_hook(restore, always_call=True)
-
-    def _to_device(self, value):
-        if isinstance(value, torch.Tensor):
-            value = value.to(self.accelerator.device)
-            if value.is_floating_point():
-                value = value.to(self.accelerator.compute_dtype(self.states.dtype))
-            return value
-        if isinstance(value, (list, tuple)):
-            return type(value)(self._to_device(v) for v in value)
-        if isinstance(value, dict):
-            return {k: self._to_device(v) for k, v in value.items()}
-        return value
-
     def __call__(self, *args, **kwargs):
         if self._closed:
             raise RuntimeError("this engine was closed (engine.close()); make a new one with zo.initialize")
-        args, kwargs = self._to_device(args), self._to_device(kwargs)
+        args, kwargs = (to_device(v, self.accelerator, self.states.dtype) for v in (args, kwargs))
         self.states.before_forward()
         with self.accelerator.activations(self.states.dtype), self._timeline.span("forward"):
             return self.model(*args, **kwargs)
@@ -456,34 +347,13 @@ class Engine:
         clip_factor = 1.0 if skip else self._clip_factor(grads, record)
         if clip_factor is None:
             skip, grads = "non-finite gradient norm", []
-        timeline = self._timeline
-
-        def adam(snapshot):  # runs on the host queue while forward and backward of the next step run
-            with timeline.span("Adam"):  # the whole partition is the host's: DPU refuses a partial offload
-                self._host_adam.step(self.states, snapshot, clip_factor)
-
-        self._delayed.step(grads, adam, self._publish_delayed, skip=skip is not None)
-        pipeline, in_flight = self._pipeline, self._delayed.in_flight
-        # Early uploads wait for the host's Adam on the upload stream: only where that does not block backward.
-        early = (
-            pipeline is not None and self._host_adam.rounds_in_pass and pipeline.upload.waits_without_blocking
-        )
-        if early and in_flight is not None:
-            pipeline.upload_during_backward(in_flight)
+        self._delayed.step(grads, clip_factor, skip=skip is not None)
         return skip
-
-    def _publish_delayed(self) -> Event:
-        """Publish the update that has landed; the event of its uploads, which read what the next Adam writes."""
-        self.states.publish()  # with the pipeline, but for the units whose weights went up during backward
-        if self.lr_scheduler is not None:  # the update that just landed read the old rate: move on now
-            self.lr_scheduler.step()
-        return self.accelerator.record_event()
 
     def synchronize(self) -> None:
         """Finish a delayed update still in flight and publish its weights (checkpoints call this)."""
         if self._delayed is not None:
-            self._delayed.finish(self._publish_delayed)
-            self.accelerator.fence_copies()
+            self._delayed.synchronize()
 
     def zero_grad(self) -> None:
         self.states.zero_grad()
@@ -510,8 +380,7 @@ class Engine:
             for stream in streams:
                 if stream is not None:
                     stream.close()  # after running what is queued
-            if isinstance(self.states, NVMeStates):
-                self.states.close()
+            self.states.close()
             if self._owns_process_group and torch.distributed.is_initialized():
                 heir = next(iter(_open_engines), None)  # another engine still trains on the same group
                 if heir is not None:
@@ -601,49 +470,7 @@ class Engine:
             device=self.accelerator.memory_stats(),
             accelerator=self.accelerator.name,
             num_params=self.num_params,
-            host_staging=self.states.host_staging_bytes()
-            if hasattr(self.states, "host_staging_bytes")
-            else 0,
-        )
-
-
-def resident_dtype(
-    tensor: torch.Tensor, accelerator: Accelerator, storage_dtype: torch.dtype, *, parameter: bool
-) -> torch.dtype:
-    """The dtype a buffer (`parameter=False`) or a frozen parameter keeps on the device.
-
-    Integer and bool tensors, and every tensor of an fp32 run, keep their own dtype. In an fp16/bf16 run a
-    frozen parameter is stored like the trained ones (the upcast hooks give it the compute precision where that
-    differs: the emulated device), and a floating-point buffer, which no hook upcasts, takes the compute dtype.
-    """
-    if not tensor.is_floating_point() or storage_dtype == torch.float32:
-        return tensor.dtype
-    return storage_dtype if parameter else accelerator.compute_dtype(storage_dtype)
-
-
-def _check_same_parameters(comm: Comm, model: torch.nn.Module) -> None:
-    """Fail on every rank, naming the first parameter that differs, unless every rank trains the same shapes.
-
-    The configs agree by now, but a model built from another argument on one rank would send buffers of other
-    sizes into the first collective, where gloo aborts the process or every rank waits for the timeout."""
-    if comm.world_size == 1:
-        return
-    mine = [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.requires_grad]
-    everyone = [None] * comm.world_size
-    torch.distributed.all_gather_object(everyone, mine, group=comm.group)
-    first_rank = everyone[0]
-    for rank, theirs in enumerate(everyone):
-        if theirs == first_rank:
-            continue
-        at = next((i for i, (a, b) in enumerate(zip(first_rank, theirs, strict=False)) if a != b), None)
-        at = min(len(theirs), len(first_rank)) if at is None else at  # one list is the start of the other
-        shown = [
-            f"{p[at][0]} of shape {p[at][1]}" if at < len(p) else "missing" for p in (first_rank, theirs)
-        ]
-        raise ValueError(
-            f"the ranks train different models: trainable parameter {at} is {shown[0]} on rank 0 but {shown[1]} "
-            f"on rank {rank} ({len(first_rank)} and {len(theirs)} trainable parameters); build the same model "
-            "on every rank (same size, same layers, same requires_grad)"
+            host_staging=self.states.host_staging_bytes(),
         )
 
 

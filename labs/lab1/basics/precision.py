@@ -233,3 +233,10 @@ class MixedPrecisionStates:
             ledger.record("master_weights", self.master)
         ledger.record("exp_avg", self.exp_avg)
         ledger.record("exp_avg_sq", self.exp_avg_sq)
+
+    def host_staging_bytes(self) -> int:
+        """Host memory beyond the model states (staging buffers): none while everything lives on the device."""
+        return 0
+
+    def close(self) -> None:
+        """Nothing of its own to stop: the engine's streams and the process group are the engine's."""

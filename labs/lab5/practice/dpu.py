@@ -71,3 +71,43 @@ class DelayedUpdate:
         event.wait()
         self.uploads = publish()
         return True
+
+
+class DelayedUpdater:
+    """The delayed update as the engine runs it: each step lands the previous step's Adam, publishes it, then
+    launches this step's Adam (`host_adam` over the whole host partition) on the host queue."""
+
+    def __init__(self, update: DelayedUpdate, states, host_adam, *, accel, timeline, pipeline=None,
+                 lr_scheduler=None):  # fmt: skip
+        self.update, self.states, self.host_adam = update, states, host_adam
+        self.accel, self.timeline, self.pipeline, self.lr_scheduler = accel, timeline, pipeline, lr_scheduler
+
+    def active(self, step: int) -> bool:
+        return self.update.active(step)
+
+    def step(self, grads: list[torch.Tensor], clip_factor: float, *, skip: bool) -> None:
+        states, host_adam, timeline = self.states, self.host_adam, self.timeline
+
+        def adam(snapshot):  # runs on the host queue while forward and backward of the next step run
+            with timeline.span("Adam"):  # the whole partition is the host's: DPU refuses a partial offload
+                host_adam.step(states, snapshot, clip_factor)
+
+        self.update.step(grads, adam, self.publish, skip=skip)
+        pipeline, in_flight = self.pipeline, self.update.in_flight
+        # Early uploads wait for the host's Adam on the upload stream: only where that does not block backward,
+        # and only where that Adam rounds into the staging buffers itself.
+        if pipeline is not None and host_adam.rounds_in_pass and pipeline.upload.waits_without_blocking:
+            if in_flight is not None:
+                pipeline.upload_during_backward(in_flight)
+
+    def publish(self) -> Event:
+        """Publish the update that has landed; the event of its uploads, which read what the next Adam writes."""
+        self.states.publish()  # with the pipeline, but for the units whose weights went up during backward
+        if self.lr_scheduler is not None:  # the update that just landed read the old rate: move on now
+            self.lr_scheduler.step()
+        return self.accel.record_event()
+
+    def synchronize(self) -> None:
+        """Land the update in flight and publish it, with its uploads done before the caller goes on."""
+        self.update.finish(self.publish)
+        self.accel.fence_copies()
