@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from zero_offload import grading, labkit
+from zero_offload import grading, grading_report, labkit
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -332,7 +332,7 @@ def test_skipped():
 @pytest.fixture
 def graded_repo(repo: Path) -> Path:
     """The toy package, plus the real grading code, and graded tests for tasks 1.1-1.3 (none for 1.4)."""
-    for name in ("labkit.py", "grading.py", "grading_plugin.py"):
+    for name in ("labkit.py", "grading.py", "grading_report.py", "grading_plugin.py"):
         shutil.copy(Path(grading.__file__).with_name(name), repo / "src" / "zero_offload" / name)
     _write(repo / "tests" / "labs" / "__init__.py", "")
     _write(repo / "tests" / "labs" / "test_toy.py", TOY_TESTS)
@@ -362,7 +362,7 @@ def test_grading_the_stubs_fails_every_task(graded_repo):
     )
     assert any(line.startswith("1.4 ") and "NO TESTS" in line for line in lines)
     assert "Lab 1: 0 of 4 tasks passed, 0 / 100 points" in lines
-    assert max(grading._width(line) for line in lines) <= grading.WIDTH
+    assert max(grading_report.display_width(line) for line in lines) <= grading_report.WIDTH
 
 
 def test_grading_the_solutions_counts_passed_skipped_and_missing_tests(graded_repo):

@@ -223,12 +223,12 @@ def test_a_killed_rank_ends_the_job_with_an_error_that_says_how_to_resume(tmp_pa
 
 def _nan_loss_from(monkeypatch, steps) -> None:
     """The trainer's loss is nan at the given steps (1-based; one micro-batch a step, no evaluation)."""
-    from zero_offload.practice import trainer
+    from zero_offload.practice import training_run
 
     calls = iter(range(1, 10_000))
-    real = trainer.lm_loss
+    real = training_run.lm_loss
     monkeypatch.setattr(
-        trainer, "lm_loss", lambda *a: real(*a) * (float("nan") if next(calls) in steps else 1)
+        training_run, "lm_loss", lambda *a: real(*a) * (float("nan") if next(calls) in steps else 1)
     )
 
 

@@ -46,8 +46,10 @@ def machine() -> dict:
 
 
 def _print_machine(about: dict) -> None:
-    print(f"CPU: {about['cpu']}; C Adam variant: {about['kernel_variant'] or 'none (no C compiler)'}; "
-          f"caches: {about['caches_text']}")  # fmt: skip
+    print(
+        f"CPU: {about['cpu']}; C Adam variant: {about['kernel_variant'] or 'none (no C compiler)'}; "
+        f"caches: {about['caches_text']}"
+    )
 
 
 def _print_waited(result: dict) -> None:
@@ -59,9 +61,12 @@ def _offload_engine(width: int, depth: int):
     """ZeRO-2 with the optimizer offloaded, fp32, one rank, the C Adam on one thread; and a function that runs
     `count` training steps and returns the median of their CPU steps (`adam_seconds`)."""
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
-    config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-              "zero_offload": {"cpu_adam": {"impl": "simd", "threads": 1}}}  # fmt: skip
+    config = {
+        "train_batch_size": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "zero_offload": {"cpu_adam": {"impl": "simd", "threads": 1}},
+    }
     engine = initialize(model, config, accelerator=EmulatedAccelerator())
     x = torch.randn(4, width, generator=torch.Generator().manual_seed(0))
 
@@ -112,17 +117,23 @@ def model_vs_engine(rounds: int = 7) -> dict:
 
 
 def print_model_vs_engine(result: dict) -> None:
-    print(f"\nPerformance model against the engine's CPU step (fp32, ZeRO-2 + optimizer offload, 1 C thread, "
-          f"{result['rounds']} rounds: each calibrates, then times both models; medians)")  # fmt: skip
+    print(
+        f"\nPerformance model against the engine's CPU step (fp32, ZeRO-2 + optimizer offload, 1 C thread, "
+        f"{result['rounds']} rounds: each calibrates, then times both models; medians)"
+    )
     _print_waited(result)
     _print_machine(result["machine"])
     print(f"last calibration: {result['calibration']}")
-    print(f"{'workload':<28}{'states':>9}{'cached':>8}{'measured ms':>13}{'predicted ms':>14}"
-          f"{'measured/predicted':>20}  within +-{TOLERANCE:.0%}")  # fmt: skip
+    print(
+        f"{'workload':<28}{'states':>9}{'cached':>8}{'measured ms':>13}{'predicted ms':>14}"
+        f"{'measured/predicted':>20}  within +-{TOLERANCE:.0%}"
+    )
     for name, case in result["cases"].items():
-        print(f"{name:<28}{case['state_bytes'] / 2**20:>5.0f} MiB{case['cached_share']:>8.0%}"
-              f"{case['measured_ms']:>13.2f}{case['predicted_ms']:>14.2f}{case['measured_over_predicted']:>20.2f}"
-              f"  {'yes' if case['within_tolerance'] else 'no'}")  # fmt: skip
+        print(
+            f"{name:<28}{case['state_bytes'] / 2**20:>5.0f} MiB{case['cached_share']:>8.0%}"
+            f"{case['measured_ms']:>13.2f}{case['predicted_ms']:>14.2f}{case['measured_over_predicted']:>20.2f}"
+            f"  {'yes' if case['within_tolerance'] else 'no'}"
+        )
 
 
 def _spin_ms(torch_op, wait: float = 0.05, repeats: int = 5) -> float:
@@ -180,18 +191,33 @@ def after_torch_op(numel: int = 16_700_000, rounds: int = 7, threads: int = 2) -
         torch.set_num_threads(previous)
     ms = {impl: {cond: 1e3 * statistics.median(times[impl, cond]) for cond in conditions} for impl in steps}
     ours = next((impl for impl in steps if impl.startswith("ours")), None)
-    vs_fused = {  # torch fused's time over ours, step by step: above 1, ours is faster
-        cond: statistics.median(f / o for f, o in zip(times["torch fused", cond], times[ours, cond], strict=True))
-        for cond in conditions
-    } if ours else {}  # fmt: skip
-    return {"numel": numel, "threads": threads, "rounds": rounds, "median_ms": ms, "ours_vs_fused": vs_fused,
-            "spin_ms": spin, "machine": machine()}  # fmt: skip
+    vs_fused = (
+        {  # torch fused's time over ours, step by step: above 1, ours is faster
+            cond: statistics.median(
+                f / o for f, o in zip(times["torch fused", cond], times[ours, cond], strict=True)
+            )
+            for cond in conditions
+        }
+        if ours
+        else {}
+    )
+    return {
+        "numel": numel,
+        "threads": threads,
+        "rounds": rounds,
+        "median_ms": ms,
+        "ours_vs_fused": vs_fused,
+        "spin_ms": spin,
+        "machine": machine(),
+    }
 
 
 def print_after_torch_op(result: dict) -> None:
     ms, conditions = result["median_ms"], ("quiet", "after a torch op")
-    print(f"\nAdam step over {result['numel']:,} fp32 parameters, {result['threads']} threads, on a quiet machine "
-          f"and right after a parallel torch op (medians of {3 * result['rounds']} interleaved steps each)")  # fmt: skip
+    print(
+        f"\nAdam step over {result['numel']:,} fp32 parameters, {result['threads']} threads, on a quiet machine "
+        f"and right after a parallel torch op (medians of {3 * result['rounds']} interleaved steps each)"
+    )
     _print_waited(result)
     _print_machine(result["machine"])
     print(f"{'implementation':<28}{'quiet ms':>10}{'after a torch op ms':>21}")
@@ -202,5 +228,7 @@ def print_after_torch_op(result: dict) -> None:
         print(
             f"{'ours vs torch fused':<28}{speed[0]:>9.2f}x{speed[1]:>20.2f}x   (median of step-by-step ratios)"
         )
-    print(f"(torch's OpenMP workers burnt {result['spin_ms']:.1f} ms of CPU in the 50 ms after a torch op while "
-          "the process slept: they spin before they sleep)")  # fmt: skip
+    print(
+        f"(torch's OpenMP workers burnt {result['spin_ms']:.1f} ms of CPU in the 50 ms after a torch op while "
+        "the process slept: they spin before they sleep)"
+    )

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from .cli_plan import run_plan
+from .cli_train import run_checkpoint, run_train
 from .units import format_gb
 
 # `zo bench --only`: the sections of bench.run_bench, in the order it runs them (named here, where the parser
@@ -62,60 +64,6 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _plan(args) -> int:
-    """`zo plan`: every stage x offload on a preset, and a recommendation. `--preset this-cpu` measures this
-    whole machine; `--calibrate` on another preset measures only the CPU Adam and the host's memory bandwidth
-    (and the PCIe link where CUDA is present): capacities come from the preset or --gpu-memory/--host-memory."""
-    from dataclasses import replace
-
-    from .tuning import perfmodel
-    from .tuning.advisor import advise, recommend
-    from .tuning.plan_report import describe, format_plans, format_recommendation, save_plots
-
-    at_least_one = {"gpus": args.gpus, "batch": args.batch, "seq": args.seq, "threads": args.threads,
-                    "units": args.units, "params": args.params}  # fmt: skip
-    positive = {"link": args.link, "tflops": args.tflops, "cpu-adam": args.cpu_adam,
-                "gpu-memory": args.gpu_memory, "host-memory": args.host_memory}  # fmt: skip
-    problems = [f"--{name} must be at least 1" for name, v in at_least_one.items() if v is not None and v < 1]
-    problems += [f"--{name} must be more than 0" for name, v in positive.items() if v is not None and v <= 0]
-    if args.mfu is not None and not 0 < args.mfu <= 1:
-        problems.append("--mfu is a share of the peak TFLOP/s, in (0, 1], e.g. 0.4")
-    if problems:
-        hint = " (--gpus 1 for a single GPU)" if args.gpus is not None and args.gpus < 1 else ""
-        print(f"error: {'; '.join(problems)}{hint}", file=sys.stderr)
-        return 2
-    # --calibrate replaces the preset's CPU Adam figures and host memory bandwidth (and, with CUDA, the link);
-    # the capacities stay the preset's or the options'. Only this-cpu describes this whole machine.
-    if args.preset == "this-cpu" or args.calibrate:
-        print("calibrating: timing this machine's CPU Adam and memory ...", file=sys.stderr)
-        base = None if args.preset == "this-cpu" else perfmodel.PRESETS[args.preset]
-        hw = perfmodel.calibrate(base, threads=args.threads, precision=args.precision)
-    else:
-        hw = perfmodel.PRESETS[args.preset]
-    overrides = {"gpus": args.gpus, "gpu_memory": args.gpu_memory, "host_memory": args.host_memory,
-                 "link_gb_per_s": args.link, "gpu_tflops": args.tflops, "mfu": args.mfu,
-                 "cpu_adam_params_per_s": args.cpu_adam, "cpu_adam_threads": args.threads}  # fmt: skip
-    hw = replace(hw, **{key: value for key, value in overrides.items() if value is not None})
-    wl = perfmodel.Workload(args.params, batch=args.batch, seq_len=args.seq, precision=args.precision,
-                            recompute=args.recompute, units=args.units)  # fmt: skip
-    plans = perfmodel.plan_all(hw, wl)
-    print(describe(hw, wl), format_plans(plans), format_recommendation(recommend(hw, wl)), sep="\n\n")
-    if args.stage is not None:  # the user's own choice, checked against the rules
-        try:
-            mine = perfmodel.plan(hw, wl, args.stage, args.offload)
-        except ValueError as err:
-            print(f"error: --stage {args.stage} --offload {args.offload}: {err}", file=sys.stderr)
-            return 2
-        fits = "fits" if mine.fits else "does not fit"
-        print(f"\nYour choice, {mine.label}: {fits}, predicted {mine.time.serial:.3g} s a step (serial)")
-        for advice in advise(hw, wl, mine, plans):
-            print(f"  {advice.level}: [{advice.rule}] {advice.message}")
-    if args.plot:
-        for path in save_plots(hw, wl, args.plot):
-            print(f"plot: {path}")
-    return 0
-
-
 def _check_config(args) -> int:
     from .config import ConfigError, check_supported, load_config
 
@@ -130,46 +78,6 @@ def _check_config(args) -> int:
         f"OK: {args.path} is valid for {args.world_size} rank(s); fingerprint {config.fingerprint()[:12]}",
         file=sys.stderr,
     )
-    return 0
-
-
-def _train(args) -> int:
-    from .config import ConfigError
-    from .divergence import TrainingDivergedError
-    from .implementation.checkpoint import CheckpointError
-    from .practice.trainer import RankLostError, train
-
-    try:
-        train(args.config, model=args.model, steps=args.steps, out=args.out, seed=args.seed,
-              eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
-              keep=args.keep, resume=args.resume, timeout=args.timeout)  # fmt: skip
-    except (ConfigError, CheckpointError, NotImplementedError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except (RankLostError, TrainingDivergedError) as err:  # not the user's input: says how to resume
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _checkpoint(args) -> int:
-    from .implementation.checkpoint import CheckpointError, read_meta, to_fp32
-
-    try:
-        meta = read_meta(args.dir)
-        state = to_fp32(args.dir, args.out)
-    except CheckpointError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    tensors = {id(t): t for t in state.values()}.values()  # a tied weight is one tensor, stored once
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    print(
-        f"wrote {args.out}: {len(state)} entries ({len(state) - len(tensors)} tied), "
-        f"{sum(t.numel() for t in tensors):,} elements, {nbytes / 1e6:.1f} MB: the fp32 weights at step "
-        f"{meta['global_steps']} of a {meta['world_size']}-rank, ZeRO stage {meta['stage']}, "
-        f"{meta['precision']} checkpoint"
-    )
-    print(f"load it with: model.load_state_dict(torch.load({args.out!r}, weights_only=True))")
     return 0
 
 
@@ -197,14 +105,19 @@ def main(argv: list[str] | None = None) -> int:
         "plan", help="predict memory and step time of every ZeRO stage x offload, and advise"
     )
     plan.add_argument("--params", type=parse_count, required=True, help="e.g. 13B, 350M, 1e9")
-    plan.add_argument("--preset", default="a100-80g", choices=["v100-32g", "a100-80g", "h200", "this-cpu"],
-                      help="hardware figures to start from (this-cpu: this whole machine, measured)")  # fmt: skip
     plan.add_argument(
-        "--calibrate", action="store_true",
+        "--preset",
+        default="a100-80g",
+        choices=["v100-32g", "a100-80g", "h200", "this-cpu"],
+        help="hardware figures to start from (this-cpu: this whole machine, measured)",
+    )
+    plan.add_argument(
+        "--calibrate",
+        action="store_true",
         help="measure this host's CPU Adam (by thread count) and memory bandwidth, and the PCIe link where "
-             "CUDA is present, in place of the preset's; capacities (GPUs, GPU and host memory, cores) stay "
-             "the preset's or --gpus/--gpu-memory/--host-memory (--preset this-cpu measures them too)",
-    )  # fmt: skip
+        "CUDA is present, in place of the preset's; capacities (GPUs, GPU and host memory, cores) stay "
+        "the preset's or --gpus/--gpu-memory/--host-memory (--preset this-cpu measures them too)",
+    )
     plan.add_argument("--gpus", type=int, help="GPUs on the host, one rank each")
     plan.add_argument("--gpu-memory", type=_size, help="per GPU, e.g. 80GB")
     plan.add_argument("--host-memory", type=_size, help="e.g. 256GB")
@@ -216,8 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         type=parse_count,
         help="the host's CPU Adam throughput, all ranks together, parameters/s (e.g. 5G)",
     )
-    plan.add_argument("--threads", type=int,
-                      help="CPU Adam threads a rank (--calibrate measures up to it; default: the engine's)")  # fmt: skip
+    plan.add_argument(
+        "--threads",
+        type=int,
+        help="CPU Adam threads a rank (--calibrate measures up to it; default: the engine's)",
+    )
     plan.add_argument("--batch", type=int, default=1, help="micro-batch per GPU, in sequences")
     plan.add_argument("--seq", type=int, default=1024, help="sequence length in tokens")
     plan.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"])
@@ -237,27 +153,50 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--steps", type=int, default=100, help="train up to this step (with --resume: in all)")
     train.add_argument("--out", default="out/train", help="report, plots and checkpoints/ go here")
     train.add_argument("--seed", type=int, default=0, help="initial weights and data order")
-    train.add_argument("--eval-every", type=int, default=0, metavar="N",
-                       help="evaluate on held-out text every N steps and at the end (0: never)")  # fmt: skip
+    train.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="evaluate on held-out text every N steps and at the end (0: never)",
+    )
     train.add_argument(
         "--eval-batches", type=int, default=4, metavar="B", help="global batches an evaluation reads"
     )
-    train.add_argument("--save-every", type=int, default=0, metavar="N",
-                       help="checkpoint to OUT/checkpoints/step_<n> every N steps and at the end (0: never)")  # fmt: skip
+    train.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="checkpoint to OUT/checkpoints/step_<n> every N steps and at the end (0: never)",
+    )
     train.add_argument("--keep", type=int, default=2, help="checkpoints to keep, newest first")
-    train.add_argument("--resume", action="store_true",
-                       help="continue from the newest complete checkpoint under OUT/checkpoints")  # fmt: skip
-    train.add_argument("--timeout", type=float, metavar="SECONDS",
-                       help="how long a collective waits for a rank that stopped answering "
-                            "(default: ZO_DIST_TIMEOUT, else 300)")  # fmt: skip
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint under OUT/checkpoints",
+    )
+    train.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="how long a collective waits for a rank that stopped answering "
+        "(default: ZO_DIST_TIMEOUT, else 300)",
+    )
 
     bench = sub.add_parser("bench", help="benchmarks, reported as ratios from one run (out/bench/)")
     bench.add_argument("--out", default="out/bench")
     bench.add_argument("--numel", type=parse_count, default=16_700_000)
     bench.add_argument("--rounds", type=int, default=7, help="interleaved rounds; each times every variant")
     bench.add_argument("--threads", type=int, default=2)
-    bench.add_argument("--only", nargs="+", choices=BENCH_SECTIONS, default=BENCH_SECTIONS, metavar="SECTION",
-                       help=f"run only these sections ({', '.join(BENCH_SECTIONS)}); results.json keeps the others'")  # fmt: skip
+    bench.add_argument(
+        "--only",
+        nargs="+",
+        choices=BENCH_SECTIONS,
+        default=BENCH_SECTIONS,
+        metavar="SECTION",
+        help=f"run only these sections ({', '.join(BENCH_SECTIONS)}); results.json keeps the others'",
+    )
 
     grade = sub.add_parser("grade", help="grade a lab: zo grade 1 [--lab-dir solutions]")
     grade.add_argument("rest", nargs=argparse.REMAINDER)
@@ -278,15 +217,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        run_demo(args.out, ranks=args.ranks, budget=args.budget, steps=args.steps, quick=args.quick,
-                 ranks_only=args.ranks_only)  # fmt: skip
+        run_demo(
+            args.out,
+            ranks=args.ranks,
+            budget=args.budget,
+            steps=args.steps,
+            quick=args.quick,
+            ranks_only=args.ranks_only,
+        )
         return 0
     if args.command == "train":
-        return _train(args)
+        return run_train(args)
     if args.command == "estimate":
         return _estimate(args)
     if args.command == "plan":
-        return _plan(args)
+        return run_plan(args)
     if args.command == "bench":
         from .bench import run_bench
 
@@ -299,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check-config":
         return _check_config(args)
     if args.command == "checkpoint":
-        return _checkpoint(args)
+        return run_checkpoint(args)
     raise AssertionError(args.command)
 
 
