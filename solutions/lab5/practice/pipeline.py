@@ -35,7 +35,8 @@ import time
 import torch
 
 from ..accelerator import Accelerator
-from ..implementation.offload import HostAdam, host_buffer
+from ..implementation.offload import HostAdam
+from ..implementation.transfers import host_buffer
 from ..principles.zero import squared_norm
 from ..streams import Event, WorkerStream
 
