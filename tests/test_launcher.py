@@ -73,7 +73,7 @@ def test_a_bare_script_under_torchrun_trains_at_world_size_2_and_equals_one_proc
 
 
 def _join_with_env(rank, world_size, env):
-    from zero_offload.principles.comm import join_launcher_group
+    from zero_offload.principles.process_group import join_launcher_group
 
     os.environ.update(env)
     try:
@@ -98,7 +98,7 @@ def test_an_existing_group_that_agrees_is_used_as_it_is():
 
 
 def test_no_launcher_means_one_process_and_a_bad_world_size_is_named(monkeypatch):
-    from zero_offload.principles.comm import join_launcher_group
+    from zero_offload.principles.process_group import join_launcher_group
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert join_launcher_group() is False and not torch.distributed.is_initialized()
@@ -131,9 +131,9 @@ def test_the_backend_follows_the_accelerator_even_where_a_gpu_is_visible(monkeyp
 
 
 def test_more_ranks_on_a_node_than_gpus_is_refused_with_the_fix(monkeypatch):
-    from zero_offload.principles.comm import _choose_gpu
+    from zero_offload.principles.process_group import choose_gpu
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(RuntimeError, match=r"LOCAL_RANK=1 but this node has 1 GPU.*ZO_DEVICE=cpu"):
-        _choose_gpu()
+        choose_gpu()

@@ -15,7 +15,7 @@ import pytest
 
 from zero_offload import demo
 from zero_offload.launch import loopback_endpoint, open_loopback_store, torchrun_command
-from zero_offload.principles.comm import free_port
+from zero_offload.principles.process_group import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PROC_NET = Path("/proc/net/tcp")

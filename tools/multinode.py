@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from zero_offload.launch import torchrun_command
-from zero_offload.principles.comm import free_port
+from zero_offload.principles.process_group import free_port
 
 CONFIG = {
     "train_batch_size": 8,

@@ -74,7 +74,7 @@ def _ranks_parts(out: Path, budget: int, *, steps: int, quick: bool) -> dict:
     """Parts 0, 1, 2 and 4 on every rank; rank 0 saves their results."""
     out.mkdir(parents=True, exist_ok=True)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from .principles.comm import init_distributed
+        from .principles.process_group import init_distributed
 
         init_distributed()
         torch.set_num_threads(1)  # the ranks share this machine's cores
@@ -99,7 +99,7 @@ def _rank_from_env() -> int:
 def _launch(out: Path, *, ranks: int, budget: int, steps: int, quick: bool) -> dict:
     """Parts 0-2 and 4 under torchrun; what rank 0 saved."""
     from .launch import torchrun_command
-    from .principles.comm import free_port
+    from .principles.process_group import free_port
 
     # zero_offload.launch is torchrun with its rendezvous store listening on 127.0.0.1 only, not every interface.
     command = torchrun_command(["-m", "zero_offload.cli", "demo", "--out", str(out), "--budget", str(budget),

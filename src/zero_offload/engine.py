@@ -37,7 +37,8 @@ from .practice.dpu import DelayedUpdate, DelayedUpdater
 from .practice.nvme import NVMeStates, NVMeUpdater
 from .practice.pipeline import HostQueue, OffloadPipeline
 from .practice.timeline import Span, Timeline, plot_timeline
-from .principles.comm import Comm, join_launcher_group
+from .principles.comm import Comm
+from .principles.process_group import join_launcher_group
 from .principles.recompute import checkpoint_blocks
 from .principles.zero import ShardedStates
 from .tuning.cpu_adam import CPUAdam, host_adam
