@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import atexit
 import math
-import os
 import warnings
 import weakref
 
 import torch
 
 from .accelerator import Accelerator, HintOnOutOfMemory, get_accelerator
-from .basics.memory import MemoryLedger, MemoryReport, estimate_model_states
+from .basics.memory import MemoryLedger, MemoryReport
 from .basics.precision import (
     DynamicLossScaler,
     MixedPrecisionStates,
@@ -30,19 +29,17 @@ from .config import Config, check_supported, load_config
 from .divergence import SkipGuard
 from .implementation.offload import OffloadedStates
 from .implementation.schedulers import build_scheduler
-from .implementation.updaters import SerialUpdater
 from .model_setup import check_same_parameters, install_upcast_hooks, place_buffers_and_frozen, to_device
 from .optimizers import build_optimizers
-from .practice.dpu import DelayedUpdate, DelayedUpdater
-from .practice.nvme import NVMeStates, NVMeUpdater
-from .practice.pipeline import HostQueue, OffloadPipeline
-from .practice.timeline import Span, Timeline, plot_timeline
+from .practice.nvme import NVMeStates
+from .practice.timeline import Span, Timeline, gather_timeline
 from .principles.comm import Comm
 from .principles.process_group import join_launcher_group
 from .principles.recompute import checkpoint_blocks
 from .principles.zero import ShardedStates
-from .tuning.cpu_adam import CPUAdam, host_adam
-from .tuning.partial import DevicePartUpdater, PartialOffloadStates, estimate_partial_offload
+from .tuning.cpu_adam import host_adam
+from .tuning.partial import PartialOffloadStates, estimate_for_config
+from .updating import build_updating
 
 # Engines not closed yet. At exit they are closed, so that a script which never calls engine.close() still ends
 # cleanly (no thread of the engine's running, the group it joined destroyed) while the interpreter is whole.
@@ -110,8 +107,7 @@ class Engine:
         self.num_params = self.states.numel
         place_buffers_and_frozen(model, self.accelerator, self.states.dtype)
         optimizers = build_optimizers(config, self.states, offloaded=self._offloaded)
-        self.optimizer, self._split = optimizers.optimizer, optimizers.split
-        self._host_optimizer, self._device_optimizer = optimizers.host, optimizers.device
+        self.optimizer, self._host_optimizer = optimizers.optimizer, optimizers.host
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
         # Module 3's Adam, or module 4's one-pass C Adam (only ever the host's, of offloaded states).
         self._host_adam = host_adam(self._host_optimizer) if self._host_optimizer is not None else None
@@ -126,9 +122,16 @@ class Engine:
         self.comm.timeline = self._timeline
         if self._offloaded:
             self.states.transfers.timeline = self._timeline
-        self._start_module5(config)
-        self._updaters = self._build_updaters(config)
-        self._norm_in_adam = all(updater.norm_in_adam for updater in self._updaters)
+        # Who runs Adam, when and on which cores (updating.py): the updaters, module 5's pipeline and delayed update.
+        updating = build_updating(config, self.states, self.accelerator, optimizers=optimizers,
+                                  host_adam=self._host_adam, timeline=self._timeline,
+                                  lr_scheduler=self.lr_scheduler)  # fmt: skip
+        self._updaters, self._norm_in_adam = updating.updaters, updating.norm_in_adam
+        self._pipeline, self._delayed, self._host_queue = (
+            updating.pipeline,
+            updating.delayed,
+            updating.host_queue,
+        )
         self.micro_steps = 0  # backward calls so far
         self.global_steps = 0  # optimizer steps taken or skipped
         self.skipped_steps = 0
@@ -140,66 +143,6 @@ class Engine:
         # One entry per optimizer step: loss scale, overflow, gradient norm, learning rate, Adam's seconds.
         self.history: list[dict] = []
         _open_engines.add(self)
-
-    def _start_module5(self, config: Config) -> None:
-        """Module 5: the cores each side runs on, the overlapped pipeline and the delayed update."""
-        ext = config.zero_offload
-        if ext.cores.device:  # this thread runs forward and backward: the emulated device's compute
-            os.sched_setaffinity(0, ext.cores.device)
-            torch.set_num_threads(len(ext.cores.device))
-        if ext.cores.host and isinstance(self._host_optimizer, CPUAdam) and ext.cpu_adam.threads is None:
-            self._host_optimizer.threads = len(ext.cores.host)
-        self._pipeline = self._delayed = self._host_queue = None
-        if not (ext.overlap_offload or ext.delayed_param_update.enabled or ext.cores.host):
-            return
-        # The host's work runs on a queue of its own; with cores.host, on those cores only.
-        self._host_queue = host = HostQueue("zo-host", list(ext.cores.host) or None)
-        if ext.overlap_offload:
-            cores = list(ext.cores.host) or None
-            self._pipeline = OffloadPipeline(
-                self.states,
-                self.accelerator,
-                host=host,
-                host_adam=self._host_adam,
-                needs_whole_gradient=config.fp16.enabled or config.gradient_clipping > 0,
-                micro_batches=config.gradient_accumulation_steps,
-                norm_in_adam=self._wants_norm_in_adam(config),
-                cores=cores,
-                slots=ext.staging_slots,
-            )
-        if ext.delayed_param_update.enabled:
-            # With the pipeline every write of the host's gradients is queued on `host` behind Adam: no copy.
-            update = DelayedUpdate(
-                host, ext.delayed_param_update.start_step, copy_gradients=self._pipeline is None
-            )
-            self._delayed = DelayedUpdater(update, self.states, self._host_adam, accel=self.accelerator,
-                                           timeline=self._timeline, pipeline=self._pipeline,
-                                           lr_scheduler=self.lr_scheduler)  # fmt: skip
-
-    def _wants_norm_in_adam(self, config: Config) -> bool:
-        """Whether the host's Adam sums the gradient norm in its own pass: the C Adam can, and then the norm need
-        not be known before Adam runs: nothing to clip. Not under DPU, whose norm is reported before its Adam
-        runs; serial and pipelined steps alike, so that they report the same number."""
-        sums = self._host_adam is not None and self._host_adam.sums_norm
-        whole = self._split == len(self.states.master_params)  # module 4's device units sum it in no pass
-        dpu = config.zero_offload.delayed_param_update.enabled
-        return sums and whole and config.gradient_clipping == 0 and not dpu
-
-    def _build_updaters(self, config: Config) -> list:
-        """Who runs Adam at the step (implementation/updaters.py): the host's (or the device's) part, then, with a
-        partial offload, the units kept on the device."""
-        states, timeline, norm_in_adam = self.states, self._timeline, self._wants_norm_in_adam(config)
-        updaters = []
-        if self._pipeline is not None:  # module 5: overlapped with backward and the copies
-            updaters.append(self._pipeline)
-        elif self._offloaded and config.zero_optimization.offload_optimizer.device == "nvme":  # module 5
-            updaters.append(NVMeUpdater(states, self._host_adam, timeline=timeline))
-        elif self._host_adam is not None:
-            updaters.append(SerialUpdater(states, self._host_adam, self._split, timeline=timeline,
-                                          queue=self._host_queue, norm_in_adam=norm_in_adam))  # fmt: skip
-        if self._split < len(states.master_params):  # module 4: the units kept on the device
-            updaters.append(DevicePartUpdater(states, self._device_optimizer, self._split, timeline=timeline))
-        return updaters
 
     # -- forward ---------------------------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -435,38 +378,12 @@ class Engine:
         """The stages of the last steps (up to 16) on every rank, and with `path` their Gantt chart saved there.
 
         Every rank must call it (it gathers the ranks' spans); rank 0 draws."""
-        spans = list(self._timeline.spans)
-        by_rank = [spans]
-        if self.comm.distributed:
-            by_rank = [None] * self.comm.world_size
-            torch.distributed.all_gather_object(by_rank, spans, group=self.comm.group)
-        if path is not None and self.comm.rank == 0:
-            plot_timeline(by_rank, path, title=title or f"last {self._timeline.keep_steps} steps, per rank")
-        return by_rank
-
-    def estimate_model_states(self):
-        zero = self.config.zero_optimization
-        if zero.offload_optimizer.enabled and zero.offload_optimizer.ratio < 1.0:
-            return estimate_partial_offload(
-                self.num_params,
-                stage=zero.stage,
-                world_size=self.config.world_size,
-                precision=self.config.precision,
-                host_fraction=self.states.host_fraction,
-            )
-        return estimate_model_states(
-            self.num_params,
-            stage=zero.stage,
-            world_size=self.config.world_size,
-            offload_optimizer=zero.offload_optimizer.device,
-            offload_param=zero.offload_param.device,
-            precision=self.config.precision,
-        )
+        return gather_timeline(self._timeline, self.comm, path, title=title)
 
     def memory_report(self) -> MemoryReport:
         """Model-state bytes per tier, estimated and measured, and the device's use and peak."""
         return MemoryReport(
-            estimated=self.estimate_model_states(),
+            estimated=estimate_for_config(self.config, self.num_params, self.states),
             measured=self.ledger.measure(),
             device=self.accelerator.memory_stats(),
             accelerator=self.accelerator.name,

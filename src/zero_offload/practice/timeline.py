@@ -189,3 +189,15 @@ def plot_timeline(spans_by_rank: list[list[Span]], path: str | Path, *, title: s
     ax.set_xlabel("time (ms)")
     ax.set_title(title)
     return save_figure(fig, path)
+
+
+def gather_timeline(timeline: Timeline, comm, path=None, *, title: str | None = None) -> list[list[Span]]:
+    """Every rank's spans (all ranks must call this), and with `path` rank 0 draws their Gantt chart there."""
+    spans = list(timeline.spans)
+    by_rank = [spans]
+    if comm.distributed:
+        by_rank = [None] * comm.world_size
+        torch.distributed.all_gather_object(by_rank, spans, group=comm.group)
+    if path is not None and comm.rank == 0:
+        plot_timeline(by_rank, path, title=title or f"last {timeline.keep_steps} steps, per rank")
+    return by_rank

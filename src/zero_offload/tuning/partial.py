@@ -95,3 +95,25 @@ class SplitOptimizer:
         parts = [part for part in (host, device) if part is not None]
         self.param_groups = [group for part in parts for group in part.param_groups]
         self.state = {param: state for part in parts for param, state in part.state.items()}
+
+
+def estimate_for_config(config, num_params: int, states) -> ModelStateBytes:
+    """What `config` should hold of each model state, per tier: module 1's estimate, or with a partial offload
+    this one, from the share of the optimizer states `states` really put on the host."""
+    zero = config.zero_optimization
+    if zero.offload_optimizer.enabled and zero.offload_optimizer.ratio < 1.0:
+        return estimate_partial_offload(
+            num_params,
+            stage=zero.stage,
+            world_size=config.world_size,
+            precision=config.precision,
+            host_fraction=states.host_fraction,
+        )
+    return estimate_model_states(
+        num_params,
+        stage=zero.stage,
+        world_size=config.world_size,
+        offload_optimizer=zero.offload_optimizer.device,
+        offload_param=zero.offload_param.device,
+        precision=config.precision,
+    )
