@@ -116,10 +116,11 @@ class EmulatedAccelerator(Accelerator):
         `record_event()` says the copy is done, so there the second copy writes the same bytes.
         On a stream's own thread the copy is already ordered on that stream, and is done once."""
         dst.copy_(src)
-        uploading = self.is_on_device(dst) and not self.is_on_device(src)
-        if non_blocking and uploading and src.untyped_storage().data_ptr() in self._pinned:
-            if not on_worker_stream():
-                self._dma_queue().submit(_copy_again, weakref.ref(dst), src)
+        # Cheapest questions first: most copies are blocking, or run on a stream's thread (module 5's).
+        if not non_blocking or on_worker_stream() or src.untyped_storage().data_ptr() not in self._pinned:
+            return
+        if self.is_on_device(dst):  # pinned memory is host memory: this is an upload
+            self._dma_queue().submit(_copy_again, weakref.ref(dst), src)
 
     def _dma_queue(self) -> WorkerStream:
         with self._lock:
