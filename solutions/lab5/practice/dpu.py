@@ -108,9 +108,9 @@ class DelayedUpdater:
         pipeline, in_flight = self.pipeline, self.update.in_flight
         # Early uploads wait for the host's Adam on the upload stream: only where that does not block backward,
         # and only where that Adam rounds into the staging buffers itself.
-        if pipeline is not None and host_adam.rounds_in_pass and pipeline.upload.waits_without_blocking:
-            if in_flight is not None:
-                pipeline.upload_during_backward(in_flight)
+        early = pipeline is not None and host_adam.rounds_in_pass and pipeline.upload.waits_without_blocking
+        if early and in_flight is not None:
+            pipeline.upload_during_backward(in_flight)
 
     def publish(self) -> Event:
         """Publish the update that has landed; the event of its uploads, which read what the next Adam writes."""

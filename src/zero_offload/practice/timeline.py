@@ -193,7 +193,7 @@ def plot_timeline(spans_by_rank: list[list[Span]], path: str | Path, *, title: s
 
 def gather_timeline(timeline: Timeline, comm, path=None, *, title: str | None = None) -> list[list[Span]]:
     """Every rank's spans (all ranks must call this), and with `path` rank 0 draws their Gantt chart there."""
-    spans = list(timeline.spans)
+    spans = timeline.spans  # a list of its own already
     by_rank = [spans]
     if comm.distributed:
         by_rank = [None] * comm.world_size
