@@ -283,4 +283,4 @@ def test_a_missing_cffi_falls_back_to_torchs_adam_with_a_warning_that_names_it(m
               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}  # fmt: skip
     with pytest.warns(UserWarning, match="cffi is not installed"):
         engine = zo.initialize(torch.nn.Linear(4, 4), config, accelerator=EmulatedAccelerator())
-    assert isinstance(engine._host_optimizer, torch.optim.AdamW)
+    assert isinstance(engine.updating.optimizers.host, torch.optim.AdamW)

@@ -122,7 +122,7 @@ def test_without_clipping_the_c_adam_sums_the_norm_and_no_pass_of_its_own_reads_
         _config(2, impl="torch", overlap=overlap)
     )  # torch's Adam: the norm in a pass of its own
     engine = _engine(_config(2, overlap=overlap))
-    assert engine._norm_in_adam and not reference._norm_in_adam
+    assert engine.updating.norm_in_adam and not reference.updating.norm_in_adam
     expected = _train(reference, 3)
 
     def separate_pass(grad):
@@ -146,7 +146,7 @@ def test_without_clipping_the_c_adam_sums_the_norm_and_no_pass_of_its_own_reads_
     ids=["clipping", "delayed-update", "torch-adam"],
 )
 def test_the_norm_has_a_pass_of_its_own_when_it_is_needed_before_adam_or_adam_is_not_the_c_one(change):
-    assert not _engine(_config(2, overlap=True, **change))._norm_in_adam
+    assert not _engine(_config(2, overlap=True, **change)).updating.norm_in_adam
 
 
 def test_with_clipping_adam_waits_for_the_global_norm():
@@ -162,7 +162,7 @@ def test_with_clipping_adam_waits_for_the_global_norm():
 def test_the_host_stages_through_slots_of_the_largest_unit(slots):
     engine = _engine(_config(2, "fp16", overlap=True, ext={"staging_slots": slots} if slots else None))
     _train(engine, 1)
-    pipeline, states = engine._pipeline, engine.states
+    pipeline, states = engine.updating.pipeline, engine.states
     largest = max(u.shard_numel for u in states.units)
     for ring in (pipeline.grad_slots, pipeline.weight_slots):
         assert len(ring.buffers) == (slots or 2)  # double-buffered unless staging_slots says otherwise
@@ -214,7 +214,7 @@ def test_an_error_on_the_host_queue_surfaces_at_the_step_and_the_next_step_is_no
     def broken(index, out, staged=None):
         raise RuntimeError("host Adam failed")
 
-    monkeypatch.setattr(engine._pipeline, "_adam", broken)
+    monkeypatch.setattr(engine.updating.pipeline, "_adam", broken)
     with pytest.raises(RuntimeError, match="host Adam failed"):
         _train(engine, 1, start=1)
 
@@ -375,23 +375,25 @@ class _BlockingCopyStream:
 def test_copy_streams_that_block_on_host_events_as_cuda_does_still_give_the_serial_weights(precision):
     serial = _engine(_config(2, precision))
     engine = _engine(_config(2, precision, overlap=True))
-    engine._pipeline.copy = _BlockingCopyStream(engine._pipeline.copy)
-    engine._pipeline.upload = _BlockingCopyStream(engine._pipeline.upload)
+    engine.updating.pipeline.copy = _BlockingCopyStream(engine.updating.pipeline.copy)
+    engine.updating.pipeline.upload = _BlockingCopyStream(engine.updating.pipeline.upload)
     assert _train(engine, 4) == _train(serial, 4)
     assert not _same_weights(
         {n: p.detach().clone() for n, p in engine.model.named_parameters()},
         {n: p.detach().clone() for n, p in serial.model.named_parameters()},
     )
-    assert engine._pipeline.eager is False  # Adam waits for the step: the upload stream cannot wait for it
+    assert (
+        engine.updating.pipeline.eager is False
+    )  # Adam waits for the step: the upload stream cannot wait for it
 
 
 def test_with_an_upload_stream_that_blocks_the_delayed_weights_go_up_at_the_step():
     dpu = {"delayed_param_update": {"enabled": True, "start_step": 1}}
     engine = _engine(_config(2, overlap=True, ext=dpu))
-    engine._pipeline.upload = _BlockingCopyStream(engine._pipeline.upload)
+    engine.updating.pipeline.upload = _BlockingCopyStream(engine.updating.pipeline.upload)
     _train(engine, 3)
     # Queuing them during backward would block backward until the delayed Adam is done.
-    assert engine._pipeline._early_after is None and not engine._pipeline.early
+    assert engine.updating.pipeline._early_after is None and not engine.updating.pipeline.early
     engine.synchronize()
 
 
@@ -429,7 +431,7 @@ def test_the_delayed_adam_waits_for_the_uploads_that_read_what_it_rewrites(preci
         x, y = data.micro_batch(step, BATCH, micro_step=0, rank=0, world_size=1, accumulation=1)
         for run in (pinned, pageable):
             run.backward(lm_loss(run(x), y))
-        with held_until_quiet(pinned.accelerator.dma, pinned._host_queue):
+        with held_until_quiet(pinned.accelerator.dma, pinned.updating.host_queue):
             pinned.step()
         pageable.step()
         want = {n: p.detach().clone() for n, p in pageable.model.named_parameters()}

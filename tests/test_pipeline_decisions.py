@@ -48,7 +48,7 @@ def test_each_backward_runs_as_far_ahead_as_the_rules_allow(precision, clip, acc
     config = _config(2, precision, overlap=True, impl=impl, clip=0.5 if clip else 0.0, ext=ext)
     config["gradient_accumulation_steps"] = accumulation
     engine = _engine(config)
-    pipeline = engine._pipeline
+    pipeline = engine.updating.pipeline
     if not waits:
         pipeline.upload = _BlockingCopyStream(pipeline.upload)
     data = ByteBatches(fixed_corpus(), SEQ, seed=11)
@@ -64,7 +64,7 @@ def test_each_backward_runs_as_far_ahead_as_the_rules_allow(precision, clip, acc
             where = f"step {step}, micro-batch {micro}"
             assert all(moved) if eager else not any(moved), f"{where}: eager should be {eager}"
             assert (pipeline.grads == "undefined") == direct, f"{where}: direct should be {direct}"
-            assert engine._norm_in_adam == pipeline.norm_in_adam == norm_in_adam, where
+            assert engine.updating.norm_in_adam == pipeline.norm_in_adam == norm_in_adam, where
             assert (pipeline.eager, pipeline.direct and pipeline.eager) == (eager, direct), where
             # Reading the slot directly is only right when the slot holds the whole gradient: one micro-batch.
             assert not pipeline.direct or accumulation == 1, where

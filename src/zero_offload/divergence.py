@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import warnings
 
+import torch
+
 
 class TrainingDivergedError(RuntimeError):
     """Training cannot usefully go on: too many steps in a row were skipped, or non-finite gradients were
@@ -30,6 +32,25 @@ class SkipGuard:
         self.limit, self.fp16 = limit, fp16
         self.in_a_row = 0
         self.last_checkpoint: tuple[str, int] | None = None  # (path, step) of the last save or load
+        self.window_skip: str | None = None  # why this accumulation window's step will be skipped
+
+    def skips_backward(self, loss: torch.Tensor, comm) -> bool:
+        """bf16/fp32: whether this window's step is to be skipped for a non-finite loss on any rank. Its backward
+        is skipped on every rank then (the collectives inside backward pair up), and so are the rest of the
+        window's, so that no gradient, and no Adam the pipeline runs during backward, ever sees the inf or nan.
+
+        fp16 is left to its overflow check after backward: there an inf loss is the scale's doing, and the
+        skip is what lowers the scale. The check is one scalar (and a one-element collective) per micro-batch."""
+        if self.fp16:
+            return False
+        if self.window_skip is None and comm.any(not bool(torch.isfinite(loss.detach()))):
+            self.window_skip = "non-finite loss"
+        return self.window_skip is not None
+
+    def take_window_skip(self) -> str | None:
+        """At the step: why the window that just closed is skipped (None: it is not); the next window starts clean."""
+        skip, self.window_skip = self.window_skip, None
+        return skip
 
     def after_step(self, step: int, skipped: str | None, scaler) -> TrainingDivergedError | None:
         """Step `step` (1-based: the engine's global_steps after it) was taken (`skipped` None) or skipped for

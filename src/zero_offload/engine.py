@@ -1,17 +1,20 @@
 """The engine: composes the pieces of the five modules into `forward`, `backward`, `step`.
 
-It keeps the training loop's logic (loss scaling, accumulation, skipping steps with an inf or nan in any
-precision and stopping a run that keeps skipping (divergence.py), clipping, the Adam step, the learning-rate
-schedule) and hands the model states to one object that decides where they live: module 1's
-`MixedPrecisionStates` (stage 0), module 2's `ShardedStates` (stages 1-3, all on the device) or module 3's
-`OffloadedStates` (the fp32 optimizer half on the host) or module 5's `NVMeStates` (that half in files, a few
-sub-groups in host memory at a time). Overlap arrives with module 5, as another piece.
+It keeps the training loop's logic: loss scaling, gradient accumulation, skipping a step with an inf or nan in
+any precision and stopping a run that keeps skipping (divergence.py), and the bookkeeping of each step. The rest
+it hands to two objects:
+
+    states     where the model states live (placement.py): module 1's MixedPrecisionStates at stage 0,
+               module 2's ShardedStates, module 3's OffloadedStates, module 4's partial and module 5's NVMe tier
+    updating   who runs Adam, when and on which cores (updating.py): serially, module 5's overlapped pipeline,
+               its delayed update; with the clip factor and the learning-rate schedule
+
+so one `step` reads the same for every configuration: reduce, overflow, `updating.step`, record.
 """
 
 from __future__ import annotations
 
 import atexit
-import math
 import warnings
 import weakref
 
@@ -19,27 +22,20 @@ import torch
 
 from .accelerator import Accelerator, HintOnOutOfMemory, get_accelerator
 from .basics.memory import MemoryLedger, MemoryReport
-from .basics.precision import (
-    DynamicLossScaler,
-    MixedPrecisionStates,
-    StaticLossScaler,
-    unique_parameters,
-)
+from .basics.precision import DynamicLossScaler, StaticLossScaler, unique_parameters
 from .config import Config, check_supported, load_config
 from .divergence import SkipGuard
-from .implementation.offload import OffloadedStates
+from .implementation.checkpoint import load_checkpoint, save_checkpoint
 from .implementation.schedulers import build_scheduler
 from .model_setup import check_same_parameters, install_upcast_hooks, place_buffers_and_frozen, to_device
 from .optimizers import build_optimizers
-from .practice.nvme import NVMeStates
+from .placement import build_states
 from .practice.timeline import Span, Timeline, gather_timeline
 from .principles.comm import Comm
 from .principles.process_group import join_launcher_group
 from .principles.recompute import checkpoint_blocks
-from .principles.zero import ShardedStates
-from .tuning.cpu_adam import host_adam
-from .tuning.partial import PartialOffloadStates, estimate_for_config
-from .updating import build_updating
+from .tuning.partial import estimate_for_config
+from .updating import Updating
 
 # Engines not closed yet. At exit they are closed, so that a script which never calls engine.close() still ends
 # cleanly (no thread of the engine's running, the group it joined destroyed) while the interpreter is whole.
@@ -61,10 +57,8 @@ class Engine:
         self._owns_process_group = (
             False  # zo.initialize joined the group for this engine: close() destroys it
         )
-        self.config = config
+        self.config, self.model, self.comm = config, model, Comm()
         self.accelerator = accelerator or get_accelerator(config.zero_offload.device_memory)
-        self.model = model
-        self.comm = Comm()
         if self.comm.world_size != config.world_size:
             raise ValueError(
                 f"the config was loaded for {config.world_size} rank(s) but {self.comm.world_size} are running; "
@@ -75,42 +69,19 @@ class Engine:
         params = unique_parameters(model)
         if not params:
             raise ValueError("the model has no trainable parameters")
-        if config.fp16.enabled:
-            self.scaler = DynamicLossScaler.from_config(config.fp16)
-        else:
-            self.scaler = StaticLossScaler(1.0)  # bf16 and fp32 have fp32's exponent range: no scaling
-        zero = config.zero_optimization
-        self._offloaded = zero.stage > 0 and zero.offload_optimizer.enabled
-        if zero.stage == 0:
-            self.states = MixedPrecisionStates(params, self.accelerator, config.precision, self.comm)
-        elif zero.offload_optimizer.enabled:
-            tier = OffloadedStates
-            if zero.offload_optimizer.device == "nvme":  # module 5
-                tier = NVMeStates
-            elif zero.offload_optimizer.ratio < 1.0:  # module 4
-                tier = PartialOffloadStates
-            self.states = tier(
-                model,
-                self.accelerator,
-                config.precision,
-                zero.stage,
-                self.comm,
-                zero,
-                loss_scale=lambda: self.scaler.scale,
-                pipelined=config.zero_offload.overlap_offload,
-            )
-        else:
-            self.states = ShardedStates(
-                model, self.accelerator, config.precision, zero.stage, self.comm, zero
-            )
-        self.params = self.states.params
-        self.num_params = self.states.numel
+        # bf16 and fp32 have fp32's exponent range: no scaling.
+        self.scaler = (
+            DynamicLossScaler.from_config(config.fp16) if config.fp16.enabled else StaticLossScaler(1.0)
+        )
+        # Where the model states live (placement.py): one states object of modules 1 to 5.
+        self.states = build_states(model, params, config, self.accelerator, self.comm,
+                                   loss_scale=lambda: self.scaler.scale)  # fmt: skip
+        self.params, self.num_params = self.states.params, self.states.numel
         place_buffers_and_frozen(model, self.accelerator, self.states.dtype)
-        optimizers = build_optimizers(config, self.states, offloaded=self._offloaded)
-        self.optimizer, self._host_optimizer = optimizers.optimizer, optimizers.host
+        offloaded = config.zero_optimization.stage > 0 and config.zero_optimization.offload_optimizer.enabled
+        optimizers = build_optimizers(config, self.states, offloaded=offloaded)
+        self.optimizer = optimizers.optimizer
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
-        # Module 3's Adam, or module 4's one-pass C Adam (only ever the host's, of offloaded states).
-        self._host_adam = host_adam(self._host_optimizer) if self._host_optimizer is not None else None
         self.ledger = MemoryLedger(self.accelerator)
         self.states.record(self.ledger)
         if self.accelerator.compute_dtype(self.states.dtype) != self.states.dtype:
@@ -120,24 +91,17 @@ class Engine:
         # Module 5: when each stage ran (practice/timeline.py); the collectives and copies record themselves.
         self._timeline = Timeline(accelerator=self.accelerator)
         self.comm.timeline = self._timeline
-        if self._offloaded:
+        if offloaded:
             self.states.transfers.timeline = self._timeline
+        # Counts the skips in a row nothing cures and stops the run at zero_offload.max_skipped_steps.
+        self.skip_guard = SkipGuard(config.zero_offload.max_skipped_steps, fp16=config.fp16.enabled)
         # Who runs Adam, when and on which cores (updating.py): the updaters, module 5's pipeline and delayed update.
-        updating = build_updating(config, self.states, self.accelerator, optimizers=optimizers,
-                                  host_adam=self._host_adam, timeline=self._timeline,
-                                  lr_scheduler=self.lr_scheduler)  # fmt: skip
-        self._updaters, self._norm_in_adam = updating.updaters, updating.norm_in_adam
-        self._pipeline, self._delayed, self._host_queue = (
-            updating.pipeline,
-            updating.delayed,
-            updating.host_queue,
-        )
+        self.updating = Updating(config, self.states, self.accelerator, self.comm, optimizers=optimizers,
+                                 scaler=self.scaler, skip_guard=self.skip_guard, timeline=self._timeline,
+                                 lr_scheduler=self.lr_scheduler)  # fmt: skip
         self.micro_steps = 0  # backward calls so far
         self.global_steps = 0  # optimizer steps taken or skipped
         self.skipped_steps = 0
-        # Counts the skips in a row nothing cures and stops the run at zero_offload.max_skipped_steps.
-        self.skip_guard = SkipGuard(config.zero_offload.max_skipped_steps, fp16=config.fp16.enabled)
-        self._window_skip: str | None = None  # why this accumulation window's step will be skipped
         self._boundary_at: int | None = None  # global_steps when backward last closed a window: step() is due
         self._warned_unstepped = False
         # One entry per optimizer step: loss scale, overflow, gradient norm, learning rate, Adam's seconds.
@@ -165,30 +129,13 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Scale the loss (loss scale / accumulation steps) and accumulate gradients where the states keep them."""
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(
-                f"backward needs the loss tensor returned by the forward, got {type(loss).__name__}; pass "
-                "the loss itself (e.g. loss_fn(engine(x), y)), not loss.item() or a number"
-            )
+        check_loss(loss)
         if self._boundary_at == self.global_steps and not self._warned_unstepped:
             self._warned_unstepped = True
-            warnings.warn(
-                f"backward() was called again after {self.gradient_accumulation_steps} backward() call(s) "
-                "with no engine.step() between: the gradients add up over more micro-batches than "
-                "gradient_accumulation_steps says, so the next step is larger than intended; call engine.step() "
-                "after every backward(), or raise gradient_accumulation_steps",
-                UserWarning,
-                stacklevel=2,
-            )
-        if loss.dim() != 0:
-            raise ValueError(
-                f"backward needs a scalar loss, got shape {tuple(loss.shape)}; reduce it first (mean)"
-            )
-        if self._pipeline is not None:  # module 5 decides how far this backward may run ahead of the step
-            last = (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
-            delayed = self._delayed is not None and self._delayed.active(self.global_steps)
-            self._pipeline.begin_backward(last=last, delayed=delayed)
-        skip = self._nonfinite_loss(loss)
+            warn_unstepped(self.gradient_accumulation_steps)
+        last = (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        self.updating.begin_backward(last=last, step=self.global_steps)
+        skip = self.skip_guard.skips_backward(loss, self.comm)  # bf16/fp32: a non-finite loss on any rank
         self.states.before_backward()  # and after_backward: stage 3 releases what forward gathered
         if not skip:
             # Autograd's own buffers (activation gradients, recomputed layers) run out here, with torch's bare text.
@@ -198,52 +145,32 @@ class Engine:
         self.micro_steps += 1
         self._boundary_at = self.global_steps if self.is_gradient_accumulation_boundary() else None
 
-    def _nonfinite_loss(self, loss: torch.Tensor) -> bool:
-        """bf16/fp32: whether this window's step is to be skipped for a non-finite loss on any rank. Its backward
-        is skipped on every rank then (the collectives inside backward pair up), and so are the rest of the
-        window's, so that no gradient, and no Adam the pipeline runs during backward, ever sees the inf or nan.
-
-        fp16 is left to its overflow check after backward: there an inf loss is the scale's doing, and the
-        skip is what lowers the scale. The check is one scalar (and a one-element collective) per micro-batch."""
-        if self.config.fp16.enabled:
-            return False
-        if self._window_skip is None and self.comm.any(not bool(torch.isfinite(loss.detach()))):
-            self._window_skip = "non-finite loss"
-        return self._window_skip is not None
-
     def step(self) -> None:
         """At an accumulation boundary: reduce, check overflow, unscale, clip, update, publish; else nothing."""
         if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
             return
-        states, scaler = self.states, self.scaler
-        states.reduce_gradients()
-        skip, self._window_skip = self._window_skip, None
-        if self.config.fp16.enabled and states.overflow():  # true on every rank if true on any
+        self.states.reduce_gradients()
+        skip = self.skip_guard.take_window_skip()
+        if self.config.fp16.enabled and self.states.overflow():  # true on every rank if true on any
             skip = "fp16 overflow"
         record = {
             "step": self.global_steps,
-            "loss_scale": scaler.scale,
+            "loss_scale": self.scaler.scale,
             "overflow": skip is not None,
             "skipped": skip,  # why the step was skipped: fp16 overflow, non-finite loss or gradient norm
             "grad_norm": None,
             "lr": self.optimizer.param_groups[0]["lr"],
             "adam_seconds": 0.0,
         }
-        # A skipped update is skipped whole: master weights, moments and the schedule are not touched.
-        if self._delayed is not None and self._delayed.active(self.global_steps):
-            skip = self._delayed_step(record, skip)
-        elif skip is None:
-            skip = self._update(record)
-            if skip is None and self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        if skip is not None:
-            record.update(overflow=True, skipped=skip)
-            self.skipped_steps += 1
-        if self._pipeline is not None:
-            self._pipeline.new_step()
-        diverged = self.skip_guard.after_step(self.global_steps + 1, skip, scaler)  # before the scale moves
-        scaler.update(skip is not None)
-        states.zero_grad()
+        # The clip factor, Adam, the new weights published, the schedule (updating.py).
+        skip = self.updating.step(self.global_steps, record, skip)
+        record.update(overflow=skip is not None, skipped=skip)
+        self.skipped_steps += skip is not None
+        diverged = self.skip_guard.after_step(
+            self.global_steps + 1, skip, self.scaler
+        )  # before the scale moves
+        self.scaler.update(skip is not None)
+        self.states.zero_grad()
         self.accelerator.fence_copies()  # the user's next write to a parameter lands after this step's uploads
         self.global_steps += 1
         self._timeline.step = self.global_steps
@@ -251,53 +178,9 @@ class Engine:
         if diverged is not None:
             raise diverged
 
-    def _clip_factor(self, grads: list[torch.Tensor], record: dict) -> float | None:
-        """The factor that clips the gradients to gradient_clipping; None if their norm is not finite (the
-        same on every rank: the norm is reduced), and then the step must be skipped."""
-        norm = self.states.grad_norm(grads)
-        record["grad_norm"] = norm
-        if not math.isfinite(norm):
-            return None
-        clip = self.config.gradient_clipping
-        return clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
-
-    def _update(self, record: dict) -> str | None:
-        """Adam over every partition and the new weights published; or, for a non-finite gradient norm seen
-        before any Adam ran, nothing, and the reason to skip the step."""
-        grads = self.states.fp32_gradients(1.0 / self.scaler.scale)
-        norms = (
-            [] if self._norm_in_adam else None
-        )  # each unit's squared norm, summed by the C Adam on its way
-        clip_factor = 1.0 if self._norm_in_adam else self._clip_factor(grads, record)
-        if clip_factor is None:
-            if self._pipeline is not None and self._pipeline.updated:  # eager: Adam ran during backward
-                how = "the overlapped pipeline runs Adam on each unit during backward (no clipping, no fp16)"
-                raise self.skip_guard.poisoned(self.global_steps + 1, record["grad_norm"], how)
-            return "non-finite gradient norm"
-        seconds = [updater.update(grads, clip_factor, norms) for updater in self._updaters]
-        record["adam_seconds"] = seconds[0] if seconds else 0.0  # the host's, when offloaded
-        if norms is not None:
-            record["grad_norm"] = math.sqrt(self.comm.sum(sum(norms)))
-            if not math.isfinite(record["grad_norm"]):
-                how = "without gradient_clipping the C Adam sums the norm in its own pass over the gradients"
-                raise self.skip_guard.poisoned(self.global_steps + 1, record["grad_norm"], how)
-        self.states.publish()
-        return None
-
-    def _delayed_step(self, record: dict, skip: str | None) -> str | None:
-        """Module 5's delayed update: publish step t-1's update, launch step t's on the host (practice/dpu.py).
-        The norm is known before this step's Adam launches: a non-finite one skips it (the reason returned)."""
-        grads = [] if skip else self.states.fp32_gradients(1.0 / self.scaler.scale)
-        clip_factor = 1.0 if skip else self._clip_factor(grads, record)
-        if clip_factor is None:
-            skip, grads = "non-finite gradient norm", []
-        self._delayed.step(grads, clip_factor, skip=skip is not None)
-        return skip
-
     def synchronize(self) -> None:
         """Finish a delayed update still in flight and publish its weights (checkpoints call this)."""
-        if self._delayed is not None:
-            self._delayed.synchronize()
+        self.updating.synchronize()
 
     def zero_grad(self) -> None:
         self.states.zero_grad()
@@ -318,33 +201,20 @@ class Engine:
                 for index in range(len(self.states.units)):
                     self.states.release(index)  # waits for a prefetch still in flight
         finally:
-            streams = [self._host_queue]
-            if self._pipeline is not None:
-                streams += [self._pipeline.copy, self._pipeline.upload]
-            for stream in streams:
-                if stream is not None:
-                    stream.close()  # after running what is queued
+            self.updating.close()
             self.states.close()
-            if self._owns_process_group and torch.distributed.is_initialized():
-                heir = next(iter(_open_engines), None)  # another engine still trains on the same group
-                if heir is not None:
-                    heir._owns_process_group = True
-                else:
-                    torch.distributed.destroy_process_group()
+            if self._owns_process_group:
+                _release_process_group()
 
     # -- checkpoints (implementation/checkpoint.py) ------------------------------------------------------------------
     def save_checkpoint(self, path) -> None:
         """Every rank writes its shard of the model states, with what it takes to resume, into directory `path`."""
-        from .implementation.checkpoint import save_checkpoint
-
         self.synchronize()  # under a delayed update a checkpoint is a synchronisation point
         save_checkpoint(self, path)
         self.skip_guard.last_checkpoint = (str(path), self.global_steps)  # what a diverged run goes back to
 
     def load_checkpoint(self, path) -> None:
         """Resume from `path`, saved by any world size: shards are re-cut for this one."""
-        from .implementation.checkpoint import load_checkpoint
-
         self.synchronize()  # an update in flight must not land on top of the loaded states
         load_checkpoint(self, path)
         self.skip_guard.last_checkpoint = (str(path), self.global_steps)
@@ -374,11 +244,12 @@ class Engine:
             }
 
     # -- reporting -------------------------------------------------------------------------------------------------
-    def timeline(self, path=None, *, title: str | None = None) -> list[list[Span]]:
-        """The stages of the last steps (up to 16) on every rank, and with `path` their Gantt chart saved there.
+    def timeline(self, path=None, *, title: str | None = None, trace=None) -> list[list[Span]]:
+        """The stages of the last steps (up to 16) on every rank; with `path` their Gantt chart saved there, with
+        `trace` a Chrome/Perfetto trace (JSON trace events: open it in ui.perfetto.dev or chrome://tracing).
 
-        Every rank must call it (it gathers the ranks' spans); rank 0 draws."""
-        return gather_timeline(self._timeline, self.comm, path, title=title)
+        Every rank must call it (it gathers the ranks' spans); rank 0 draws and writes."""
+        return gather_timeline(self._timeline, self.comm, path, title=title, trace=trace)
 
     def memory_report(self) -> MemoryReport:
         """Model-state bytes per tier, estimated and measured, and the device's use and peak."""
@@ -390,6 +261,41 @@ class Engine:
             num_params=self.num_params,
             host_staging=self.states.host_staging_bytes(),
         )
+
+
+def _release_process_group() -> None:
+    """The group zo.initialize joined goes with the last engine open on it; until then another engine owns it."""
+    if not torch.distributed.is_initialized():
+        return
+    heir = next(iter(_open_engines), None)  # another engine still trains on the same group
+    if heir is not None:
+        heir._owns_process_group = True
+    else:
+        torch.distributed.destroy_process_group()
+
+
+def check_loss(loss) -> None:
+    """What backward needs: the scalar loss tensor the forward returned."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"backward needs the loss tensor returned by the forward, got {type(loss).__name__}; pass "
+            "the loss itself (e.g. loss_fn(engine(x), y)), not loss.item() or a number"
+        )
+    if loss.dim() != 0:
+        raise ValueError(
+            f"backward needs a scalar loss, got shape {tuple(loss.shape)}; reduce it first (mean)"
+        )
+
+
+def warn_unstepped(accumulation_steps: int) -> None:
+    warnings.warn(
+        f"backward() was called again after {accumulation_steps} backward() call(s) with no engine.step() "
+        "between: the gradients add up over more micro-batches than gradient_accumulation_steps says, so the "
+        "next step is larger than intended; call engine.step() after every backward(), or raise "
+        "gradient_accumulation_steps",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def initialize(model: torch.nn.Module, config, *, accelerator: Accelerator | None = None) -> Engine:
