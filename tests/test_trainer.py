@@ -97,6 +97,8 @@ def test_eval_progress_report_and_checkpoints(tmp_path, capsys):
     for plot in ("loss", "throughput", "memory", "timeline"):
         assert (out / f"{plot}.png").stat().st_size > 10_000, plot
         assert str(out / f"{plot}.png") in printed.out
+    trace = json.loads((out / "trace.json").read_text())  # the timeline, for ui.perfetto.dev
+    assert isinstance(trace["traceEvents"], list) and str(out / "trace.json") in printed.out
     assert summary["checkpoints"] == ["step_4", "step_6"]  # --keep 2: step_2 went once step_6 was complete
     history = json.loads((out / "checkpoints" / "step_6" / "history.json").read_text())
     assert history["losses"] == summary["losses"]

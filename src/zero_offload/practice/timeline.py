@@ -11,7 +11,12 @@ question of *when*, which totals cannot answer. The engine records the start and
     all-gather                 weights gathered after the update, or before a stage-3 layer runs
 
 `engine.timeline(path)` collects the spans of every rank and draws them as a Gantt chart: one band per rank,
-one lane per stage, time running left to right. Only the last `keep_steps` steps are kept.
+one lane per stage, time running left to right (timeline_plots.py). Only the last `keep_steps` steps are kept.
+
+`engine.timeline(trace="trace.json")` writes the same spans as a trace to zoom into: open ui.perfetto.dev and
+choose "Open trace file", or open chrome://tracing in Chrome and press "Load". Each rank is a process there,
+and each part of the machine that runs a stage is a thread of it: the device's compute, the collectives, the
+copies down and up (one copy engine each way on a GPU), the CPU running Adam, the NVMe drive.
 
 Which clock: on the emulated device a stage's work runs while the host waits for it, so the host's clock times
 it. A GPU runs kernels and copies asynchronously: the host's time around `model(x)` or a non-blocking copy is
@@ -22,6 +27,8 @@ known. Host work (the CPU's Adam, the NVMe tier) keeps the host's clock everywhe
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from collections import deque
@@ -30,6 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ..implementation.durable import write_temp
+from .timeline_plots import plot_timeline
 
 STAGES = ("forward", "backward", "reduce", "D2H", "NVMe read", "Adam", "NVMe write", "H2D", "all-gather")
 # The stages whose work a GPU queues and runs later: on CUDA they are timed by events, the others by the host.
@@ -164,40 +174,120 @@ class _TimedWork:
         return result
 
 
-def plot_timeline(spans_by_rank: list[list[Span]], path: str | Path, *, title: str) -> Path:
-    """A Gantt chart: one band of lanes per rank, one lane per stage."""
-    from ..plots import plt, save_figure
+# -- the trace file: the Trace Event Format that ui.perfetto.dev and chrome://tracing read ---------------------
 
-    lanes = [stage for stage in STAGES if any(s.stage == stage for spans in spans_by_rank for s in spans)]
-    colors = dict(zip(STAGES, plt.get_cmap("tab10").colors, strict=False))
-    fig, ax = plt.subplots(figsize=(10, 0.35 * max(1, len(lanes) * len(spans_by_rank)) + 1.4))
+# Each stage on the part of the machine that runs it on real hardware: the trace's threads, in this order.
+TRACE_THREADS = (
+    "device compute",
+    "collectives",
+    "copy down (D2H)",
+    "NVMe",
+    "host (CPU Adam)",
+    "copy up (H2D)",
+)
+THREAD_OF_STAGE = {
+    "forward": "device compute",
+    "backward": "device compute",
+    "reduce": "collectives",
+    "all-gather": "collectives",
+    "D2H": "copy down (D2H)",
+    "H2D": "copy up (H2D)",
+    "Adam": "host (CPU Adam)",
+    "NVMe read": "NVMe",
+    "NVMe write": "NVMe",
+}
+
+
+def _rows(spans: list[Span]) -> list[tuple[str, list[Span]]]:
+    """(thread name, its spans) for each thread of one rank, no two spans of a thread overlapping.
+
+    The viewers draw one thread's events as a stack that must nest; two reduce-scatters in flight at once, or a
+    prefetched all-gather beside them, would be cut or dropped there. Each such span goes to a second row of
+    its thread ("collectives (2)"), the first row that is free when it starts."""
+    rows = []
+    for thread in TRACE_THREADS:
+        mine: list[list[Span]] = []
+        for span in sorted((s for s in spans if THREAD_OF_STAGE[s.stage] == thread), key=lambda s: s.start):
+            free = next((row for row in mine if row[-1].end <= span.start), None)
+            if free is None:
+                mine.append(free := [])
+            free.append(span)
+        rows += [(thread if n == 0 else f"{thread} ({n + 1})", row) for n, row in enumerate(mine)]
+    return rows
+
+
+def _microseconds(seconds: float) -> float:
+    return round(seconds * 1e6, 3)  # to the nanosecond: no clock here resolves finer
+
+
+def trace_events(spans_by_rank: list[list[Span]]) -> list[dict]:
+    """The trace's events: a name for every rank and thread, and a complete event for each span, in
+    microseconds since the earliest span of any rank."""
+    for span in (s for spans in spans_by_rank for s in spans):
+        _check_stage(span.stage)
+        if span.end < span.start:  # both ends come from clocks that only go forward: it was timed wrong
+            raise ValueError(f"{span} ends before it starts; a span's end must be read after its start")
     origin = min((s.start for spans in spans_by_rank for s in spans), default=0.0)
-    ticks, labels = [], []
+    events = []
     for rank, spans in enumerate(spans_by_rank):
-        for lane, stage in enumerate(lanes):
-            y = rank * (len(lanes) + 1) + lane
-            bars = [
-                ((s.start - origin) * 1e3, max((s.end - s.start) * 1e3, 0.02))
-                for s in spans
-                if s.stage == stage
+        pid = rank + 1  # pid 0 is the kernel's idle task in a Linux trace, and Perfetto treats it as such
+        events += [
+            _meta("process_name", pid, 0, name=f"rank {rank}"),
+            _meta("process_sort_index", pid, 0, sort_index=rank),
+        ]
+        for tid, (thread, row) in enumerate(_rows(spans), start=1):
+            events += [
+                _meta("thread_name", pid, tid, name=thread),
+                _meta("thread_sort_index", pid, tid, sort_index=tid),
             ]
-            ax.broken_barh(bars, (y - 0.4, 0.8), color=colors[stage])
-            ticks.append(y)
-            labels.append(f"rank {rank} {stage}" if len(spans_by_rank) > 1 else stage)
-    ax.set_yticks(ticks, labels, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("time (ms)")
-    ax.set_title(title)
-    return save_figure(fig, path)
+            events += [_complete(span, origin, pid, tid, thread) for span in row]
+    return events
 
 
-def gather_timeline(timeline: Timeline, comm, path=None, *, title: str | None = None) -> list[list[Span]]:
-    """Every rank's spans (all ranks must call this), and with `path` rank 0 draws their Gantt chart there."""
+def _complete(span: Span, origin: float, pid: int, tid: int, thread: str) -> dict:
+    """A complete event ("X"): its start and its duration in one record."""
+    start, end = _microseconds(span.start - origin), _microseconds(span.end - origin)
+    category = thread.split(" (")[0]  # a second row of a thread belongs to the same category
+    return {"name": span.stage, "cat": category, "ph": "X", "ts": start, "dur": round(end - start, 3),
+            "pid": pid, "tid": tid, "args": {"step": span.step}}  # fmt: skip
+
+
+def _meta(kind: str, pid: int, tid: int, **args) -> dict:
+    """A metadata event ("M"): the name or the place in the list of a process (a rank) or a thread."""
+    return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": args}
+
+
+def write_trace(spans_by_rank: list[list[Span]], path: str | Path) -> Path:
+    """Write the spans of every rank as a trace-event JSON file at `path`, whole or not at all."""
+    path = Path(path)
+    text = json.dumps({"traceEvents": trace_events(spans_by_rank), "displayTimeUnit": "ms"})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = write_temp(path, lambda file: file.write(text.encode()))
+        try:
+            os.replace(temp, path)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+    except OSError as err:
+        raise OSError(
+            err.errno, f"could not write the trace {path}: {err.strerror or err}", str(path)
+        ) from err
+    return path
+
+
+def gather_timeline(
+    timeline: Timeline, comm, path=None, *, title: str | None = None, trace=None
+) -> list[list[Span]]:
+    """Every rank's spans (all ranks must call this); rank 0 draws their Gantt chart at `path` and writes them
+    as a trace file (Perfetto, chrome://tracing) at `trace`, each if given."""
     spans = timeline.spans  # a list of its own already
     by_rank = [spans]
     if comm.distributed:
         by_rank = [None] * comm.world_size
         torch.distributed.all_gather_object(by_rank, spans, group=comm.group)
+    if trace is not None and comm.rank == 0:
+        write_trace(by_rank, trace)
     if path is not None and comm.rank == 0:
         plot_timeline(by_rank, path, title=title or f"last {timeline.keep_steps} steps, per rank")
     return by_rank

@@ -9,7 +9,8 @@
 This file is the loop: checkpoints to resume from, steps, evaluations, saves, and the report. The run it
 drives (engine, data, history) is training_run.py; the checks on the options, train_arguments.py; what
 happens when a rank is lost, lost_rank.py. Rank 0 shows a progress bar and writes the report under --out
-(practice/run_dir.py).
+(practice/run_dir.py), with the last steps' timeline as a chart (timeline.png) and as a trace to open in
+ui.perfetto.dev or chrome://tracing (trace.json).
 """
 
 from __future__ import annotations
@@ -127,7 +128,9 @@ def _train(
                 run.doing = f"the checkpoint after step {run.step}"
                 say(f"step {run.step}: saved {run_dir.save(engine, out, run.history, keep)}")
     run.doing = "the final report"
-    engine.timeline(out / "timeline.png", title=f"the last steps of {comm.world_size} rank(s)")  # every rank
+    engine.timeline(  # every rank; rank 0 draws the chart and writes the trace
+        out / "timeline.png", title=f"the last steps of {comm.world_size} rank(s)", trace=out / "trace.json"
+    )
     return _report(run, out, resumed_at)
 
 
@@ -171,7 +174,7 @@ def _report(run: TrainingRun, out: Path, resumed_at: int | None) -> dict:
             f"collectives moved {sum(engine.comm.elements.values()):,} elements per rank"
         )
         files = run_dir.write_report(out, summary, report, title=f"{history['model']} GPT on the course text")
-        print("wrote " + ", ".join(str(path) for path in [*files, out / "timeline.png"]))
+        print("wrote " + ", ".join(str(path) for path in [*files, out / "timeline.png", out / "trace.json"]))
     return summary
 
 
