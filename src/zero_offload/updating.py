@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from .basics.norm import global_norm
 from .config import Config
 from .implementation.updaters import SerialUpdater
 from .practice.dpu import DelayedUpdate, DelayedUpdater
@@ -168,7 +169,7 @@ class Updating:
         seconds = [updater.update(grads, clip_factor, norms) for updater in self.updaters]
         record["adam_seconds"] = seconds[0] if seconds else 0.0  # the host's, when offloaded
         if norms is not None:
-            record["grad_norm"] = math.sqrt(self.comm.sum(sum(norms)))
+            record["grad_norm"] = global_norm(norms, self.comm.sum)
             if not math.isfinite(record["grad_norm"]):
                 how = "without gradient_clipping the C Adam sums the norm in its own pass over the gradients"
                 raise self.skip_guard.poisoned(step + 1, record["grad_norm"], how)

@@ -18,6 +18,7 @@ import contextlib
 import torch
 
 from ..accelerator import Accelerator
+from .norm import global_norm, squared_norm
 
 LOW_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -25,6 +26,18 @@ LOW_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.fl
 def has_overflow(tensor: torch.Tensor) -> bool:
     """True if any element is inf or nan: the scaled gradients no longer carry information."""
     return not bool(torch.isfinite(tensor).all())
+
+
+def unscaled_fp32(accel: Accelerator, grad: torch.Tensor, inv_scale: float) -> torch.Tensor:
+    """`grad` in fp32, divided by the loss scale (`inv_scale` = 1 / scale): what Adam and the norm read.
+
+    A 16-bit gradient gets a transient fp32 copy, charged to the device's gradients while it lives (a GPU
+    holds it too); an fp32 gradient is unscaled in place."""
+    if grad.dtype != torch.float32:
+        grad = accel.empty(grad.numel(), torch.float32, category="gradients").copy_(grad)
+    if inv_scale != 1.0:
+        grad.mul_(inv_scale)
+    return grad
 
 
 class StaticLossScaler:
@@ -206,17 +219,12 @@ class MixedPrecisionStates:
 
     def fp32_gradients(self, inv_scale: float) -> list[torch.Tensor]:
         """The gradients in fp32, divided by the loss scale (`inv_scale` = 1 / scale)."""
-        grad = self.flat_grad
-        if grad.dtype != torch.float32:
-            # A transient fp32 gradient, charged to the device while it lives (a GPU holds it too).
-            grad = self.accel.empty(self.numel, torch.float32, category="gradients").copy_(self.flat_grad)
-        if inv_scale != 1.0:
-            grad.mul_(inv_scale)
-        return [grad]
+        return [unscaled_fp32(self.accel, self.flat_grad, inv_scale)]
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
-        # Accumulated in fp64: an fp32 sum of millions of squares loses its low bits (measured: 1e-5 relative).
-        return float(torch.linalg.vector_norm(grads[0], dtype=torch.float64))
+        # As the sharded stages compute it (basics/norm.py); after the all-reduce every rank holds the whole
+        # gradient, so there is nothing to add across ranks.
+        return global_norm(squared_norm(grad) for grad in grads)
 
     def publish(self) -> None:
         """After the fp32 update: round the master weights into the weights the forward pass reads."""

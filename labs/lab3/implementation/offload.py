@@ -18,21 +18,24 @@ One step, followed for one gradient (the Lab 3.x tasks in brackets):
 Only fp16 crosses PCIe: 2 bytes per parameter each way, the 4 bytes a parameter of the ZeRO-Offload paper.
 Stage 3 with `offload_param` goes further: the fp16 weight shards live on the host as well and cross PCIe
 each time their layer is gathered (forward and again for backward).
+
+The lab functions and the step are here; where each buffer lives (the host's and the device's allocations,
+and their accounting) is in host_buffers.py, which OffloadedStates inherits.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 
 from ..accelerator import Accelerator
-from ..basics.memory import held_bytes
-from ..basics.precision import has_overflow
+from ..basics.norm import global_norm, squared_norm
+from ..basics.precision import has_overflow, unscaled_fp32
 from ..principles.comm import Comm
-from ..principles.zero import ShardedStates, all_gather_unit, squared_norm
-from .transfers import Transfers, host_buffer
+from ..principles.zero import all_gather_unit
+from .host_buffers import HostBufferStates
+from .transfers import Transfers
 
 
 def gradients_to_host(
@@ -129,12 +132,13 @@ def overflow_on_any_rank(comm: Comm, host_grad: torch.Tensor) -> bool:
     raise NotImplementedError("Lab 3.4: overflow across ranks: skip everywhere, lose nothing")
 
 
-class OffloadedStates(ShardedStates):
+class OffloadedStates(HostBufferStates):
     """ZeRO stage 1-3 with the optimizer (and at stage 3 optionally the weights) on the host.
 
     Every unit's optimizer states and gradients live on the host. Module 4's partial offload
     (tuning/partial.py, a subclass) keeps only the leading `host_units` units there and the others on the
-    device, as ZeRO-2 would; the code below handles both.
+    device, as ZeRO-2 would; the code below handles both. Where each buffer is allocated, and how the memory
+    report counts it, is inherited from host_buffers.HostBufferStates.
     """
 
     def __init__(
@@ -171,67 +175,6 @@ class OffloadedStates(ShardedStates):
         """From now on the host units' gradient shards go to `pipeline` (module 5) as they are reduced, and it
         rounds and uploads the weights of the units it updates."""
         self.pipeline = pipeline
-
-    # -- where each buffer lives -------------------------------------------------------------------------------
-    def _host(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        return host_buffer(self.accel, numel, dtype, pin=pin)
-
-    def _host_unit_count(self, shard_sizes: list[int]) -> int:
-        """How many leading units keep their optimizer on the host: all of them (module 4 keeps fewer)."""
-        return len(shard_sizes)
-
-    def _placement(self) -> tuple[list[int], list[int]]:
-        """Shard sizes of the units whose optimizer is on the host, and of those whose optimizer is not."""
-        sizes = [u.shard_numel for u in self.units]
-        self.host_units = self._host_unit_count(sizes)
-        self.host_fraction = sum(sizes[: self.host_units]) / sum(sizes)
-        return sizes[: self.host_units], sizes[self.host_units :]
-
-    def _allocate_weights(self, full_numel: int, shard_numel: int) -> None:
-        if not self.offload_param:
-            return super()._allocate_weights(full_numel, shard_numel)
-        self.flat_param = self._host(shard_numel, self.dtype, self.pin_param)
-        self.param_shards = self._split(self.flat_param, [u.shard_numel for u in self.units])
-        self.full_params = []  # gather buffers, made one unit at a time in _initialise
-
-    def _allocate_gradients(self, full_numel: int, shard_numel: int) -> None:
-        host, device = self._placement()
-        # Module 5's pipeline clears it when first used. Pageable, it takes no memory until then; pinned, it is
-        # locked (and rounded up to a power of two) from the start.
-        if self.pipelined:
-            self.flat_grad = host_buffer(
-                self.accel, sum(host), torch.float32, pin=self.pin_optimizer, zeroed=False
-            )
-        else:
-            self.flat_grad = self._host(sum(host), torch.float32, self.pin_optimizer)
-        self.grad_staging = []
-        if not self.pipelined:
-            self.grad_staging = self._split(self._host(sum(host), self.dtype, self.pin_optimizer), host)
-        # Units updated on the device keep a gradient shard there, in the training precision, still scaled.
-        self.device_grad = self.accel.zeros(sum(device), self.dtype, category="gradients")
-        self.grad_shards = self._split(self.flat_grad, host) + self._split(self.device_grad, device)
-
-    def _allocate_optimizer_states(self, shard_numel: int) -> None:
-        host, device = self._placement()
-        # Even fp32 training keeps a separate fp32 master on the host: the device's copy is the one forward reads.
-        self.master = self._host(sum(host), torch.float32, self.pin_optimizer)
-        self.exp_avg = self._host(sum(host), torch.float32, self.pin_optimizer)
-        self.exp_avg_sq = self._host(sum(host), torch.float32, self.pin_optimizer)
-        on_device = self.param_shards[self.host_units :]
-        self.device_master = None  # fp32 weights on the device are their own master
-        if self.dtype != torch.float32:
-            self.device_master = self.accel.empty(sum(device), torch.float32, category="master_weights")
-            on_device = self._split(self.device_master, device)
-        self.device_exp_avg = self.accel.zeros(sum(device), torch.float32, category="optimizer_states")
-        self.device_exp_avg_sq = self.accel.zeros(sum(device), torch.float32, category="optimizer_states")
-        self.master_params = self._split(self.master, host) + on_device
-        self.exp_avgs = self._split(self.exp_avg, host) + self._split(self.device_exp_avg, device)
-        self.exp_avg_sqs = self._split(self.exp_avg_sq, host) + self._split(self.device_exp_avg_sq, device)
-        if self.offload_param or self.dtype == torch.float32:
-            self.param_staging = self.master_params if not self.offload_param else self.param_shards
-        else:
-            self.param_staging = self._split(self._host(sum(host), self.dtype, self.pin_optimizer), host)
-        self.param_staging = self.param_staging[: self.host_units]
 
     # -- backward: each reduced shard crosses to the host ------------------------------------------------------
     def _deliver_gradient(self, index: int, shard: torch.Tensor) -> None:
@@ -272,10 +215,7 @@ class OffloadedStates(ShardedStates):
         host = self.grad_shards[: self.host_units]  # fp32 already, and unscaled on arrival (Lab 3.1)
         if self.host_units == len(self.units):
             return host
-        device = self.device_grad
-        if device.dtype != torch.float32:
-            device = self.accel.empty(device.numel(), torch.float32, category="gradients").copy_(device)
-        device.mul_(inv_scale)
+        device = unscaled_fp32(self.accel, self.device_grad, inv_scale)  # the units updated on the device
         return host + self._split(device, [u.shard_numel for u in self.units[self.host_units :]])
 
     def after_backward(self) -> None:
@@ -310,13 +250,11 @@ class OffloadedStates(ShardedStates):
                 all_gather_unit(self.comm, self.full_params[index], self.param_shards[index])
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
-        if self.pipeline is None or not self.pipeline.squared_norms:
-            return super().grad_norm(grads)
         # Module 5: the host summed each of its units' squares as the gradient arrived; the same numbers in
         # the same order as the loop over `grads` would give.
-        squares = self.pipeline.squared_norms
-        local = sum(squares[i] if i in squares else squared_norm(g) for i, g in enumerate(grads))
-        return math.sqrt(self.comm.sum(local))
+        squares = self.pipeline.squared_norms if self.pipeline is not None else {}
+        local = (squares[i] if i in squares else squared_norm(g) for i, g in enumerate(grads))
+        return global_norm(local, self.comm.sum)
 
     def zero_grad(self) -> None:
         if self.pipeline is not None:
@@ -324,23 +262,3 @@ class OffloadedStates(ShardedStates):
         else:
             self.flat_grad.zero_()
         self.device_grad.zero_()
-
-    def record(self, ledger) -> None:
-        super().record(ledger)
-        ledger.record("gradients", self.device_grad)
-        if self.device_master is not None:
-            ledger.record("master_weights", self.device_master)
-        ledger.record("exp_avg", self.device_exp_avg)
-        ledger.record("exp_avg_sq", self.device_exp_avg_sq)
-
-    def host_staging_bytes(self) -> int:
-        """Host memory beyond the model states: the fp16 buffers gradients and weights pass through."""
-        staging = list(self.grad_staging)
-        if self.pipeline is not None:  # module 5's staging slots
-            staging += self.pipeline.grad_slots.buffers
-            staging += self.pipeline.weight_slots.buffers if self.pipeline.weight_slots else []
-        if not self.offload_param and self.dtype != torch.float32:
-            staging += self.param_staging
-        # Per storage, as the allocator holds it (pinned blocks are rounded up): views share their buffer.
-        buffers = {t.untyped_storage().data_ptr(): held_bytes(t) for t in staging}
-        return sum(buffers.values())

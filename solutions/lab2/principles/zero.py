@@ -12,22 +12,25 @@ Per unit (the parameters of one module, see partition.py) and rank r of N:
 
 After the update, stage 1/2 all-gather the new weight shards so that every rank holds the full weights again;
 stage 3 keeps only its shard until the next gather. (Module 1's MixedPrecisionStates is stage 0.)
+
+Stage 3's gather, prefetch and release machinery is in stage3_gather.py (ShardedStates inherits it); the
+gradient norm every stage reports is computed in basics/norm.py (`squared_norm` is imported here from there).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 
 import torch
 
 from ..accelerator import Accelerator
-from ..basics.precision import LOW_PRECISION, has_overflow
+from ..basics.norm import global_norm, squared_norm
+from ..basics.precision import LOW_PRECISION, has_overflow, unscaled_fp32
 from .buckets import GradientBuckets
 from .comm import Comm
 from .partition import Unit, build_units
-from .stage3_params import ParameterAccess
+from .stage3_gather import GatheredWeights
 
 # ZeRO-3 gathers the embedding's weights in a backward pre-hook; that its input (token ids) needs no gradient
 # is expected, and torch's warning about it would only confuse.
@@ -42,24 +45,6 @@ def fill_shard(params: list[torch.Tensor], unit: Unit, shard: torch.Tensor) -> N
     for piece in unit.layout.slices:
         source = params[piece.param].reshape(-1)[piece.param_start : piece.param_start + piece.numel]
         shard[piece.shard_start : piece.shard_start + piece.numel].copy_(source)
-
-
-_NORM_ROW = 4096  # elements summed in fp32 before the float64 total
-
-
-def squared_norm(grad: torch.Tensor) -> float:
-    """A gradient shard's share of the squared global norm.
-
-    Rows of 4096 elements are summed in fp32, the rows' squares in float64. Why not float64 throughout: it
-    converts every element and costs ten times as much (60 ms for 10M elements on one core, half a training
-    step here). Why rows: each row is reduced by one thread in a fixed order, so the result does not depend on
-    the thread count or the tensor's address, and the serial step and module 5's pipeline (which computes it on
-    another thread, from another buffer) agree bit for bit."""
-    flat = grad.reshape(-1)
-    whole = flat.numel() // _NORM_ROW * _NORM_ROW
-    rows = torch.linalg.vector_norm(flat[:whole].view(-1, _NORM_ROW), dim=1, dtype=torch.float32)
-    tail = flat[whole:].to(torch.float64)
-    return float(rows.to(torch.float64).square().sum()) + float(tail.square().sum())
 
 
 def reduce_scatter_unit(
@@ -85,8 +70,10 @@ def all_gather_unit(comm: Comm, full_param: torch.Tensor, shard: torch.Tensor, *
     return comm.all_gather(full_param, shard, async_op=async_op)
 
 
-class ShardedStates:
-    """Model states partitioned as ZeRO stage 1, 2 or 3 prescribes; the engine drives it step by step."""
+class ShardedStates(GatheredWeights):
+    """Model states partitioned as ZeRO stage 1, 2 or 3 prescribes; the engine drives it step by step.
+
+    Stage 3's gather, prefetch and release of units are inherited from stage3_gather.GatheredWeights."""
 
     def __init__(
         self, model: torch.nn.Module, accel: Accelerator, precision: str, stage: int, comm: Comm, zero
@@ -118,13 +105,8 @@ class ShardedStates:
             id(p): (index, i) for index, unit in enumerate(self.units) for i, p in enumerate(unit.params)
         }
         self.grad_shard_transient = None
-        self.prefetch_numel = zero.allgather_bucket_size
-        self._order = {"forward": [], "backward": []}  # units in the order the first pass of each used them
-        self._recorded = {"forward": False, "backward": False}
-        self._phase, self._cursor = "forward", -1
+        self._init_gathering(zero.allgather_bucket_size)
         self.buckets = None
-        self.held: set[int] = set()  # units gathered_parameters() keeps gathered
-        self.access = None  # stage 3: stage3_params.ParameterAccess
         if self.partition_gradients:
             self.buckets = GradientBuckets(
                 self.units,
@@ -214,28 +196,7 @@ class ShardedStates:
                 unit.gathered, unit.pending = False, None
                 self.accel.free_storage(full)
 
-    # -- stage 3: gather before use, release after -------------------------------------------------------------
-    def _install_gather_hooks(self, model: torch.nn.Module) -> None:
-        """Gather each module's units before its forward and backward, release them after (stage3_params.py
-        also covers the reads of a parameter outside its own module's forward)."""
-        self.access = ParameterAccess(self, model, self._unit_of)
-
-    @property
-    def in_backward(self) -> bool:
-        return self._phase == "backward"
-
-    def gather(self, index: int, *, prefetch: bool = True) -> None:
-        """Make unit `index`'s full weights present (waiting for its prefetch, if any); prefetch what follows
-        (not outside a pass: reading weights for a state_dict says nothing about the order of the next one)."""
-        unit = self.units[index]
-        if unit.pending is not None:
-            unit.pending.wait()
-            unit.pending = None
-        elif not unit.gathered:
-            self._start_gather(index, async_op=False)
-        if prefetch:
-            self._prefetch_after(index)
-
+    # -- stage 3: gather before use, release after (the rest is in stage3_gather.py) --------------------------
     def _shard_on_device(self, index: int) -> torch.Tensor:
         """This rank's weight shard of unit `index`, where a collective can read it (module 3 offloads it)."""
         return self.param_shards[index]
@@ -253,52 +214,6 @@ class ShardedStates:
         unit.gathered = True
         return work
         # END LAB 2.4
-
-    def _prefetch_after(self, index: int) -> None:
-        """Start the all-gathers of the units that come next, up to `allgather_bucket_size` elements ahead.
-
-        The order of each phase is the one its first pass used (forward and backward differ: backward starts
-        with the output head, which gathers the tied embedding); while a phase is being recorded nothing is
-        prefetched. Only units beyond the furthest one reached are fetched, so a unit used twice does not
-        fetch its successors twice.
-        """
-        order = self._order[self._phase]
-        if not self._recorded[self._phase]:
-            if index not in order:
-                order.append(index)
-            return
-        if index not in order:
-            return
-        position = order.index(index)
-        if position <= self._cursor:
-            return
-        self._cursor, budget = position, self.prefetch_numel
-        for nxt in order[position + 1 :]:
-            budget -= self.units[nxt].padded_numel
-            if budget < 0:
-                break
-            if not self.units[nxt].gathered:
-                self.units[nxt].pending = self._start_gather(nxt, async_op=True)
-
-    def release(self, index: int) -> None:
-        if index in self.held:  # inside gathered_parameters(): kept until the block ends
-            return
-        unit = self.units[index]
-        if unit.pending is not None:  # a prefetch still writing into the buffer: let it land first
-            unit.pending.wait()
-            unit.pending = None
-        if unit.gathered:
-            self.accel.free_storage(self.full_params[index])
-            unit.gathered = False
-
-    def _begin_phase(self, phase: str) -> None:
-        if self.stage == 3:
-            if self._order[self._phase]:
-                self._recorded[self._phase] = True  # the pass that just ended has shown its order
-            for index in range(len(self.units)):
-                self.release(index)  # a prefetch the pass did not use
-            self._phase, self._cursor = phase, -1
-            self.access.begin_phase(phase)
 
     # -- stage 2/3: gradients leave in buckets as backward produces them (principles/buckets.py) ---------
     def _deliver_gradient(self, index: int, shard: torch.Tensor) -> None:
@@ -340,16 +255,11 @@ class ShardedStates:
 
     def fp32_gradients(self, inv_scale: float) -> list[torch.Tensor]:
         """This rank's gradient shard in fp32, divided by the loss scale (`inv_scale` = 1 / scale)."""
-        flat = self._grad_shard_flat()
-        if flat.dtype != torch.float32:
-            flat = self.accel.empty(flat.numel(), torch.float32, category="gradients").copy_(flat)
-        if inv_scale != 1.0:
-            flat.mul_(inv_scale)
+        flat = unscaled_fp32(self.accel, self._grad_shard_flat(), inv_scale)
         return self._split(flat, [u.shard_numel for u in self.units])
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
-        local = sum(squared_norm(g) for g in grads)
-        return math.sqrt(self.comm.sum(local))  # shards are disjoint: squares add up to the global norm
+        return global_norm((squared_norm(g) for g in grads), self.comm.sum)  # basics/norm.py
 
     def publish(self) -> None:
         """After the fp32 update: the new weights where forward will read them."""
@@ -364,33 +274,6 @@ class ShardedStates:
             if self.stage < 3:
                 all_gather_unit(self.comm, self.full_params[index], self.param_shards[index])
         # END LAB 2.3
-
-    @contextlib.contextmanager
-    def gathered(self, params=None, *, modifier_rank: int | None = None):
-        """Full weights of `params` (default: all) until the block ends; with `modifier_rank`, what that rank
-        wrote into them becomes every rank's weights and fp32 masters. Every rank must enter it."""
-        if self.stage == 3:
-            with self.access.gathered(params, modifier_rank=modifier_rank):
-                yield
-            return
-        yield  # stages 1 and 2 always hold the full weights
-        if modifier_rank is not None:
-            self.adopt_full_weights(range(len(self.units)), modifier_rank)
-
-    @torch.no_grad()
-    def adopt_full_weights(self, indices, source_rank: int) -> None:
-        """The full weights of units `indices` on `source_rank` become everyone's: weight shards and masters."""
-        if not 0 <= source_rank < self.comm.world_size:
-            raise ValueError(
-                f"modifier_rank={source_rank} is not a rank of this job of {self.comm.world_size}"
-            )
-        for index in indices:
-            full, layout = self.full_params[index], self.units[index].layout
-            self.comm.broadcast(full, source_rank)
-            shard = full[layout.start : layout.end]
-            for target in (self.param_shards[index], self.master_params[index]):
-                if target.data_ptr() != shard.data_ptr():
-                    target.copy_(shard)
 
     def zero_grad(self) -> None:
         self.flat_grad.zero_()

@@ -26,6 +26,8 @@ the next gradient's way down, so that D2H, Adam and H2D ran one after the other.
 CUDA streams and the copies are asynchronous DMA from pinned memory; a CUDA stream cannot wait for a host thread
 without blocking the thread that asks, so there Adam runs at the step (each unit's upload still overlapping the
 next unit's Adam) rather than during backward.
+
+With the delayed update (dpu.py), the new weights go up during the next backward: early_uploads.py.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ import time
 import torch
 
 from ..accelerator import Accelerator
+from ..basics.norm import squared_norm
 from ..implementation.offload import HostAdam
 from ..implementation.transfers import host_buffer
-from ..principles.zero import squared_norm
 from ..streams import Event, WorkerStream
+from .early_uploads import EarlyUploads
 
 
 class HostQueue(WorkerStream):
@@ -80,9 +83,10 @@ class SlotRing:
         self._readers[slot] = reader
 
 
-class OffloadPipeline:
+class OffloadPipeline(EarlyUploads):
     """Runs the offloaded part of a step (OffloadedStates' host units) through the copy stream (D2H), the host
-    queue and the upload stream (H2D)."""
+    queue and the upload stream (H2D). With the delayed update, the weights' uploads during the next backward
+    are inherited from early_uploads.EarlyUploads."""
 
     def __init__(
         self,
@@ -256,26 +260,7 @@ class OffloadPipeline:
         target = self.states.param_shards[index]
         return self.upload.submit(self.states.transfers.to_device, target, source, blocking=False)
 
-    # -- DPU: the delayed update's weights go up during the next backward ------------------------------------
-    def upload_during_backward(self, update: Event) -> None:
-        """`update` (the delayed Adam just launched, module 4's C Adam: it rounds into param_staging itself)
-        rewrites every host unit's weights. Once the next backward is done with a unit, nothing reads that
-        unit's weights before the next forward, so its new ones may go up then instead of at the step."""
-        self._early_after = update
-
-    def _upload_early(self, index: int) -> None:
-        # Every unit delivered is a host unit whose weights live on the device: DPU is refused with a partial
-        # offload and with offload_param (config/rules.py).
-        self.upload.wait_event(self._early_after)  # the weights exist once the whole update has run
-        self.early[index] = self._upload(index, self.states.param_staging[index])
-
-    def take_early_uploads(self) -> set[int]:
-        """Wait for the uploads queued during backward and forget them; the units they covered."""
-        early, self.early, self._early_after = self.early, {}, None
-        for event in early.values():
-            event.wait()
-        return set(early)
-
+    # -- what publish() leaves alone (DPU's uploads during the next backward: early_uploads.py) ---------------
     def published_units(self) -> set[int]:
         """The units whose new weights this step already went where forward reads them (rounded, and uploaded
         unless they live on the host): publish() leaves them alone."""

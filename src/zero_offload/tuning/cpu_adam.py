@@ -17,22 +17,13 @@ import os
 
 import torch
 
+# `row_squares` has the rows of basics/norm.py's squared_norm; NORM_ROW is re-exported for the kernel's callers.
+from ..basics.norm import NORM_ROW, norm_rows, squared_norm_of_rows  # noqa: F401
 from ..implementation.offload import HostAdam
 from .build import build
 
 GRAD_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 VARIANTS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
-NORM_ROW = 4096  # elements per row of `row_squares` (ZO_NORM_ROW in csrc/cpu_adam.h)
-
-
-def norm_rows(numel: int) -> int:
-    """How many rows `row_squares` needs for a tensor of `numel` elements."""
-    return -(-numel // NORM_ROW)
-
-
-def squared_norm_of_rows(row_squares: torch.Tensor) -> float:
-    """The squared norm from an update's row sums: added exactly (math.fsum), so in no order that could vary."""
-    return math.fsum(row_squares.tolist())
 
 
 def supported_variants() -> list[str]:
