@@ -19,6 +19,7 @@ from interleave import held_until_quiet
 from training import BATCH, SEQ, make_config, train_run
 
 import zero_offload as zo
+import zero_offload.updating
 from zero_offload.accelerator import EmulatedAccelerator
 from zero_offload.config import ConfigError
 from zero_offload.practice.pipeline import HostQueue, OffloadPipeline, SlotRing
@@ -339,6 +340,74 @@ def test_the_delayed_weights_go_up_during_the_next_backward_and_change_nothing(p
         {n: p.detach().clone() for n, p in engine.model.named_parameters()},
         {n: p.detach().clone() for n, p in at_step.model.named_parameters()},
     )
+
+
+class _SometimesUnused(torch.nn.Module):
+    """A model whose second layer takes no part in every third step: its unit gets no gradient then."""
+
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.first = torch.nn.Linear(16, 16)
+        self.second = torch.nn.Linear(16, 16)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator))
+
+    def forward(self, x, use_second):
+        x = torch.tanh(self.first(x))
+        return self.second(x) if use_second else x
+
+
+def _train_sometimes_unused(config, steps):
+    engine = zo.initialize(_SometimesUnused(), config, accelerator=EmulatedAccelerator())
+    generator = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(4, 16, generator=generator)
+        engine.backward(engine(x, step % 3 != 0).square().mean())
+        engine.step()
+    engine.synchronize()
+    return engine
+
+
+@pytest.mark.parametrize(("precision", "clip"), [("fp32", 0.0), ("bf16", 0.5), ("fp32", 0.5)])
+def test_the_kept_gradients_change_nothing_bit_for_bit(precision, clip, monkeypatch):
+    """The delayed update reads each step's gradients where they landed (kept_gradients.py) instead of from
+    the fp32 partition: the same losses, norms and weights, with clipping (the norm is taken from the kept
+    bf16 copies) and with a unit that gets no gradient at some steps (it must read zeros, not the gradient
+    its region kept two steps before)."""
+    dpu = {"delayed_param_update": {"enabled": True, "start_step": 1}}
+    config = _config(2, precision, overlap=True, clip=clip, ext=dpu, reduce_bucket_size=16 * 16 + 16)
+    kept = _train_sometimes_unused(config, 6)
+    assert kept.updating.pipeline.kept is not None and kept.updating.pipeline.landed == frozenset()
+    kept_nano = _engine(_config(2, precision, overlap=True, clip=clip, ext=dpu))
+    kept_losses = _train(kept_nano, 5)
+    monkeypatch.setattr(zero_offload.updating, "keeps_gradients", lambda config, host_adam: False)
+    added = _train_sometimes_unused(config, 6)
+    assert added.updating.pipeline.kept is None
+    assert not _same_weights(dict(kept.model.named_parameters()), dict(added.model.named_parameters()))
+    assert [r["grad_norm"] for r in kept.history] == [r["grad_norm"] for r in added.history]
+    added_nano = _engine(_config(2, precision, overlap=True, clip=clip, ext=dpu))
+    assert _train(added_nano, 5) == kept_losses
+    kept_nano.synchronize(), added_nano.synchronize()
+    named = [dict(e.model.named_parameters()) for e in (kept_nano, added_nano)]
+    assert not _same_weights(*named)
+
+
+def test_the_kept_gradients_take_turns_between_two_areas():
+    dpu = {"delayed_param_update": {"enabled": True, "start_step": 1}}
+    engine = _engine(_config(2, "bf16", overlap=True, ext=dpu))
+    pipeline = engine.updating.pipeline
+    areas = [{t.untyped_storage().data_ptr() for t in area} for area in pipeline.kept]
+    assert len(areas[0]) == len(areas[1]) == 1 and areas[0] != areas[1]  # two flat buffers
+    assert all(t.dtype == torch.bfloat16 for area in pipeline.kept for t in area)  # as they came down
+    written = []
+    for step in range(4):
+        _train(engine, 1, start=step)
+        written.append(pipeline.area)
+    assert written == [0, 1, 0, 1]  # the area the next backward writes: step 0 is the warm-up, not kept
+    staging = engine.states.host_staging_bytes()
+    assert staging >= 2 * 2 * sum(u.shard_numel for u in engine.states.units)  # both areas are counted
 
 
 def test_a_checkpoint_under_the_delayed_update_resumes_exactly(tmp_path):

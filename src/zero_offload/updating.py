@@ -39,6 +39,15 @@ def wants_norm_in_adam(config: Config, host_adam, *, whole_partition: bool) -> b
     return sums and whole_partition and config.gradient_clipping == 0 and not dpu
 
 
+def keeps_gradients(config: Config, host_adam) -> bool:
+    """Whether the delayed update reads each step's gradients where they landed, in areas of their own
+    (practice/kept_gradients.py): one micro-batch (nothing to add up), the C Adam (it reads them in their own
+    precision), and no fp16 (its loss scale and overflow check work on the fp32 partition)."""
+    dpu = config.zero_offload.delayed_param_update.enabled
+    reads = host_adam is not None and host_adam.reads_low_precision_grads
+    return dpu and reads and config.gradient_accumulation_steps == 1 and not config.fp16.enabled
+
+
 def pin_cores(config: Config, host_optimizer) -> None:
     """Module 5: this thread (the emulated device's compute) on `cores.device`; the C Adam's threads sized to
     `cores.host`, where the host queue runs it."""
@@ -81,6 +90,7 @@ class Updating:
                 norm_in_adam=norm_in_adam,
                 cores=list(ext.cores.host) or None,
                 slots=ext.staging_slots,
+                keep_gradients=keeps_gradients(config, self.host_adam),
             )
         if ext.delayed_param_update.enabled:
             # With the pipeline every write of the host's gradients is queued on the host behind Adam: no copy.
@@ -179,7 +189,7 @@ class Updating:
     def _delayed_step(self, step: int, record: dict, skip: str | None) -> str | None:
         """Module 5's delayed update: publish step t-1's update, launch step t's on the host (practice/dpu.py).
         The norm is known before this step's Adam launches: a non-finite one skips it (the reason returned)."""
-        grads = [] if skip else self.states.fp32_gradients(1.0 / self.scaler.scale)
+        grads = [] if skip else self.delayed.gradients(1.0 / self.scaler.scale)
         clip_factor = 1.0 if skip else self._clip_factor(grads, record)
         if clip_factor is None:
             skip, grads = "non-finite gradient norm", []

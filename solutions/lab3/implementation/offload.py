@@ -227,6 +227,8 @@ class OffloadedStates(HostBufferStates):
         return on_host or on_device
 
     def fp32_gradients(self, inv_scale: float) -> list[torch.Tensor]:
+        if self.pipeline is not None:
+            self.pipeline.define_gradients()
         host = self.grad_shards[: self.host_units]  # fp32 already, and unscaled on arrival (Lab 3.1)
         if self.host_units == len(self.units):
             return host

@@ -42,6 +42,7 @@ from ..implementation.offload import HostAdam
 from ..implementation.transfers import host_buffer
 from ..streams import Event, WorkerStream
 from .early_uploads import EarlyUploads
+from .kept_gradients import KeptGradients
 
 
 class HostQueue(WorkerStream):
@@ -83,7 +84,7 @@ class SlotRing:
         self._readers[slot] = reader
 
 
-class OffloadPipeline(EarlyUploads):
+class OffloadPipeline(EarlyUploads, KeptGradients):
     """Runs the offloaded part of a step (OffloadedStates' host units) through the copy stream (D2H), the host
     queue and the upload stream (H2D). With the delayed update, the weights' uploads during the next backward
     are inherited from early_uploads.EarlyUploads."""
@@ -100,10 +101,12 @@ class OffloadPipeline(EarlyUploads):
         norm_in_adam: bool,
         cores=None,
         slots: int = 2,
+        keep_gradients: bool = False,
     ):
         """`needs_whole_gradient`: Adam must wait for backward's end (fp16's overflow check, clipping to the
         global norm); `micro_batches`: gradient accumulation steps; `norm_in_adam`: the host's Adam sums each
-        unit's squared norm in its own pass (nothing to clip, so nothing needs the norm before Adam)."""
+        unit's squared norm in its own pass (nothing to clip, so nothing needs the norm before Adam);
+        `keep_gradients`: the delayed update reads each step's gradients where they landed (kept_gradients.py)."""
         self.states, self.accel = states, accel
         self.host_adam = host_adam
         self.needs_whole_gradient, self.micro_batches = needs_whole_gradient, micro_batches
@@ -142,6 +145,8 @@ class OffloadPipeline(EarlyUploads):
         self._early_after: Event | None = None
         self.early: dict[int, Event] = {}  # unit -> the upload of its new weights, queued during backward
 
+        if keep_gradients:
+            self.keep_gradients()
         states.hand_gradients_to(self)
 
     def begin_backward(self, *, last: bool, delayed: bool) -> None:
@@ -154,10 +159,13 @@ class OffloadPipeline(EarlyUploads):
             last and not self.needs_whole_gradient and not delayed and self.upload.waits_without_blocking
         )
         self.direct = self.host_adam.reads_low_precision_grads and self.micro_batches == 1
+        self.keeping = self.kept is not None and delayed
 
     # -- backward: called by OffloadedStates as each reduced shard is ready -----------------------------------
     def deliver(self, index: int, shard: torch.Tensor) -> None:
         """Schedule unit `index`'s gradient shard: down the link, into the fp32 partition, and (eager) Adam."""
+        if self.keeping:  # DPU: this step's gradient stays where it lands until the delayed Adam
+            return self._deliver_kept(index, shard)
         transfers = self.states.transfers
         # BEGIN LAB 5.1: the double-buffered bucket schedule
         # 1. slot, staging = self.grad_slots.acquire(self.copy, shard.numel()): a free staging slot, with the
@@ -207,6 +215,13 @@ class OffloadPipeline(EarlyUploads):
         # Adam sums it on its way through).
         if self.final and not self.norm_in_adam:
             self.squared_norms[index] = squared_norm(grad)
+
+    def define_gradients(self) -> None:
+        """Before the step reads the fp32 partition: a unit no gradient reached this step reads zeros there, not
+        memory that a direct run (which never writes the partition) left as it was allocated."""
+        if self.grads == "undefined" and len(self.updated) < self.states.host_units:
+            self._clear_grads_if("undefined")
+            self.wait()
 
     def zero_grad(self) -> None:
         """Clear the host's fp32 gradients on the host queue, behind this step's work, while forward runs."""
@@ -296,3 +311,4 @@ class OffloadPipeline(EarlyUploads):
         self.updated = set()
         self.squared_norms = {}
         self.adam_seconds = 0.0
+        self.next_area()

@@ -96,6 +96,9 @@ class HostBufferStates(ShardedStates):
         if self.pipeline is not None:  # module 5's staging slots
             staging += self.pipeline.grad_slots.buffers
             staging += self.pipeline.weight_slots.buffers if self.pipeline.weight_slots else []
+            staging += [
+                t for area in self.pipeline.kept or [] for t in area
+            ]  # the delayed update's two areas
         if not self.offload_param and self.dtype != torch.float32:
             staging += self.param_staging
         # Per storage, as the allocator holds it (pinned blocks are rounded up): views share their buffer.

@@ -97,6 +97,13 @@ class DelayedUpdater:
     def active(self, step: int) -> bool:
         return self.update.active(step)
 
+    def gradients(self, inv_scale: float) -> list[torch.Tensor]:
+        """What this step's Adam reads: the pipeline's kept gradients (kept_gradients.py) where it keeps them,
+        else the states' fp32 gradients."""
+        if self.pipeline is not None and self.pipeline.keeping:
+            return self.pipeline.kept_gradients()
+        return self.states.fp32_gradients(inv_scale)
+
     def step(self, grads: list[torch.Tensor], clip_factor: float, *, skip: bool) -> None:
         states, host_adam, timeline = self.states, self.host_adam, self.timeline
 

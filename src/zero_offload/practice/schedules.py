@@ -24,6 +24,8 @@ from tqdm import tqdm
 from .. import initialize
 from ..accelerator import EmulatedAccelerator
 from ..workloads import ByteBatches, TinyGPT, gpt_config, lm_loss, load_corpus
+from .busy import Busy, cpu_seconds
+from .timeline_plots import plot_step
 
 SCHEDULES = {
     "serial": {},
@@ -111,10 +113,11 @@ def compare_schedules(
         }
         done = dict.fromkeys(engines, 0)
         losses: dict[str, list[float]] = {name: [] for name in engines}
+        busy = {name: Busy(0.0, 0.0) for name in engines}
 
         def run(name: str, count: int) -> list[float]:
-            """ms of each of `count` steps of schedule `name`."""
-            engine, ms = engines[name], []
+            """ms of each of `count` steps of schedule `name`; its CPU time is added to busy[name]."""
+            engine, ms, cpu = engines[name], [], cpu_seconds()
             for _ in range(count):
                 start = time.perf_counter()
                 x, y = data.global_batch(done[name], batch)
@@ -127,10 +130,12 @@ def compare_schedules(
             start = time.perf_counter()
             engine.synchronize()  # the delayed update in flight is part of this turn's time, not the next's
             ms[-1] += (time.perf_counter() - start) * 1000
+            busy[name] = busy[name] + Busy.since(cpu)
             return ms
 
         for name in engines:
             run(name, 3)  # warm-up: first-touch faults, the C build, the delayed update's warm-up steps
+        busy = {name: Busy(0.0, 0.0) for name in engines}
         times: dict[str, list[float]] = {name: [] for name in engines}
         by_round: list[dict[str, float]] = []  # each round's median ms per schedule
         order = list(engines)
@@ -144,13 +149,25 @@ def compare_schedules(
         if out_dir is not None:
             out = Path(out_dir)
             out.mkdir(parents=True, exist_ok=True)
+            spans = {}
             for name, engine in engines.items():
                 slug = name.split()[0]
-                plots[name] = str(
-                    engine.timeline(out / f"timeline_{slug}_{cores}.png", title=f"{name}, {cores} cores")
-                    and out / f"timeline_{slug}_{cores}.png"
-                )
+                path = out / f"timeline_{slug}_{cores}.png"
+                spans[name] = engine.timeline(
+                    path, title=f"{name}, {cores} cores", trace=path.with_suffix(".json")
+                )[0]
+                plots[name] = str(path)
+            # One step of each, at a scale where the overlap (or its absence) is visible.
+            plots["one step"] = str(
+                plot_step(spans, out / f"step_{cores}.png", title=f"one step, {cores} cores")
+            )
     ms = {name: statistics.median(values) for name, values in times.items()}
+    counted = rounds * steps  # the steps whose CPU time `busy` holds
+    busy_ms = {
+        name: {"device": b.device * 1e3 / counted, "host": b.host * 1e3 / counted} for name, b in busy.items()
+    }
+    sides = (len(pinned[0]), len(pinned[1])) if pinned else (len(os.sched_getaffinity(0)), None)
+    bound_ms = {name: b.bound(*sides) * 1e3 / counted for name, b in busy.items()}
 
     def paired(numerator: str, denominator: str) -> float:
         """The median over rounds of one schedule's time over another's, each ratio from one round."""
@@ -165,6 +182,9 @@ def compare_schedules(
         "slots": slots,
         "median_ms": ms,
         "per_round_ms": by_round,
+        "busy_ms": busy_ms,  # CPU ms per step of the device's thread and of the host's (practice/busy.py)
+        "bound_ms": bound_ms,  # the shortest step that work allows: max of the sides' busy time per core
+        "of_bound": {name: ms[name] / bound_ms[name] for name in ms},  # wall time / bound (1.0: at the bound)
         "overlapped_vs_serial": paired("serial", "overlapped"),
         "delayed_vs_overlapped": paired("overlapped", "delayed (DPU)"),
         "losses": losses,
