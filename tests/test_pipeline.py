@@ -370,24 +370,28 @@ def _train_sometimes_unused(config, steps):
     return engine
 
 
-@pytest.mark.parametrize(("precision", "clip"), [("fp32", 0.0), ("bf16", 0.5), ("fp32", 0.5)])
-def test_the_kept_gradients_change_nothing_bit_for_bit(precision, clip, monkeypatch):
+@pytest.mark.parametrize(
+    ("precision", "clip", "impl"), [("fp32", 0.0, "simd"), ("bf16", 0.5, "simd"), ("fp32", 0.5, "torch")]
+)
+def test_the_kept_gradients_change_nothing_bit_for_bit(precision, clip, impl, monkeypatch):
     """The delayed update reads each step's gradients where they landed (kept_gradients.py) instead of from
     the fp32 partition: the same losses, norms and weights, with clipping (the norm is taken from the kept
     bf16 copies) and with a unit that gets no gradient at some steps (it must read zeros, not the gradient
     its region kept two steps before)."""
     dpu = {"delayed_param_update": {"enabled": True, "start_step": 1}}
-    config = _config(2, precision, overlap=True, clip=clip, ext=dpu, reduce_bucket_size=16 * 16 + 16)
+    config = _config(
+        2, precision, overlap=True, impl=impl, clip=clip, ext=dpu, reduce_bucket_size=16 * 16 + 16
+    )
     kept = _train_sometimes_unused(config, 6)
     assert kept.updating.pipeline.kept is not None and kept.updating.pipeline.landed == frozenset()
-    kept_nano = _engine(_config(2, precision, overlap=True, clip=clip, ext=dpu))
+    kept_nano = _engine(_config(2, precision, overlap=True, impl=impl, clip=clip, ext=dpu))
     kept_losses = _train(kept_nano, 5)
     monkeypatch.setattr(zero_offload.updating, "keeps_gradients", lambda config, host_adam: False)
     added = _train_sometimes_unused(config, 6)
     assert added.updating.pipeline.kept is None
     assert not _same_weights(dict(kept.model.named_parameters()), dict(added.model.named_parameters()))
     assert [r["grad_norm"] for r in kept.history] == [r["grad_norm"] for r in added.history]
-    added_nano = _engine(_config(2, precision, overlap=True, clip=clip, ext=dpu))
+    added_nano = _engine(_config(2, precision, overlap=True, impl=impl, clip=clip, ext=dpu))
     assert _train(added_nano, 5) == kept_losses
     kept_nano.synchronize(), added_nano.synchronize()
     named = [dict(e.model.named_parameters()) for e in (kept_nano, added_nano)]

@@ -7,7 +7,8 @@
     direct        Adam reads the staging slot itself and the fp32 gradient partition is never written: eager,
                   one micro-batch, and module 4's C Adam (which reads fp16/bf16 gradients)
     kept          the delayed update reads each unit's gradient where it landed, in an area of its own, and the
-                  fp32 gradient partition is never written: a delayed step, one micro-batch, the C Adam, no fp16
+                  fp32 gradient partition is never written: a delayed step, one micro-batch, no fp16, and an
+                  Adam that reads the gradient as it came down (fp32: any; bf16: the C Adam)
     norm in Adam  the C Adam sums each unit's squared norm in its own pass: nothing to clip, no delayed update
 
 Each row is observed, not just read from a flag: the masters changed before step() (eager), the fp32 gradient
@@ -33,7 +34,7 @@ def expected(precision, clip, accumulation, dpu, impl, waits, *, step, micro):
     delayed = dpu and step >= 1  # start_step 1: step 0 is the warm-up
     eager = last and precision != "fp16" and not clip and not delayed and waits
     direct = eager and impl == "simd" and accumulation == 1
-    kept = delayed and impl == "simd" and accumulation == 1 and precision != "fp16"
+    kept = delayed and (impl == "simd" or precision == "fp32") and accumulation == 1 and precision != "fp16"
     return eager, direct, kept, impl == "simd" and not clip and not dpu
 
 

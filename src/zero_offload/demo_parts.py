@@ -243,7 +243,8 @@ def machine_parts(out: Path, budget: int, *, quick: bool) -> dict:
             f"{cores} cores: "
             + ", ".join(f"{k} {v:.0f} ms" for k, v in r["median_ms"].items())
             + f"; overlapped / serial {r['overlapped_vs_serial']:.2f}x, DPU / overlapped "
-            f"{r['delayed_vs_overlapped']:.2f}x"
+            f"{r['delayed_vs_overlapped']:.2f}x; DPU at {r['of_bound']['delayed (DPU)']:.2f}x its bound "
+            "(the busier side's CPU time per step)"
         )
     _section(f"5. The largest model that trains under {format_bytes(budget)}, without and with offload")
     plain, offloaded = largest["without"], largest["with"]

@@ -41,10 +41,11 @@ def wants_norm_in_adam(config: Config, host_adam, *, whole_partition: bool) -> b
 
 def keeps_gradients(config: Config, host_adam) -> bool:
     """Whether the delayed update reads each step's gradients where they landed, in areas of their own
-    (practice/kept_gradients.py): one micro-batch (nothing to add up), the C Adam (it reads them in their own
-    precision), and no fp16 (its loss scale and overflow check work on the fp32 partition)."""
+    (practice/kept_gradients.py): one micro-batch (nothing to add up), an Adam that reads them as they came
+    down (fp32 ones: any; bf16: module 4's C Adam), and no fp16 (its loss scale and overflow check work on the
+    fp32 partition)."""
     dpu = config.zero_offload.delayed_param_update.enabled
-    reads = host_adam is not None and host_adam.reads_low_precision_grads
+    reads = host_adam is not None and (host_adam.reads_low_precision_grads or config.precision == "fp32")
     return dpu and reads and config.gradient_accumulation_steps == 1 and not config.fp16.enabled
 
 

@@ -12,7 +12,8 @@ lands straight in a region of its own, and two areas of regions take turns, one 
     step t+1   backward writes area B   meanwhile the delayed Adam of step t reads area A
     step t+2   backward writes area A   Adam(t) finished at step t+1, before Adam(t+1) was launched
 
-Module 4's C Adam reads the fp16/bf16 gradient as it came down the link, so the fp32 partition is never used.
+The delayed Adam reads the gradient as it came down the link: fp32 as it is, bf16 by module 4's C Adam, which
+reads it in its own precision. The fp32 partition is never used.
 The areas cost the gradient's size twice on the host (2 x 2 bytes/param in bf16, 2 x 4 in fp32), about what
 DPU's snapshot of the fp32 gradient costs without the pipeline. Not with fp16: its loss scale is divided out,
 and its overflow is checked, in the fp32 partition.
