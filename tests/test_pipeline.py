@@ -374,7 +374,7 @@ def _train_sometimes_unused(config, steps):
     ("precision", "clip", "impl"), [("fp32", 0.0, "simd"), ("bf16", 0.5, "simd"), ("fp32", 0.5, "torch")]
 )
 def test_the_kept_gradients_change_nothing_bit_for_bit(precision, clip, impl, monkeypatch):
-    """The delayed update reads each step's gradients where they landed (kept_gradients.py) instead of from
+    """The delayed update reads each step's gradients where they landed (host_gradients.py) instead of from
     the fp32 partition: the same losses, norms and weights, with clipping (the norm is taken from the kept
     bf16 copies) and with a unit that gets no gradient at some steps (it must read zeros, not the gradient
     its region kept two steps before)."""

@@ -15,7 +15,6 @@ so one `step` reads the same for every configuration: reduce, overflow, `updatin
 from __future__ import annotations
 
 import atexit
-import warnings
 import weakref
 
 import torch
@@ -27,7 +26,14 @@ from .config import Config, check_supported, load_config
 from .divergence import SkipGuard
 from .implementation.checkpoint import load_checkpoint, save_checkpoint
 from .implementation.schedulers import build_scheduler
-from .model_setup import check_same_parameters, install_upcast_hooks, place_buffers_and_frozen, to_device
+from .model_setup import (
+    check_loss,
+    check_same_parameters,
+    install_upcast_hooks,
+    place_buffers_and_frozen,
+    to_device,
+    warn_unstepped,
+)
 from .optimizers import build_optimizers
 from .placement import build_states
 from .practice.timeline import Span, Timeline, gather_timeline
@@ -272,30 +278,6 @@ def _release_process_group() -> None:
         heir._owns_process_group = True
     else:
         torch.distributed.destroy_process_group()
-
-
-def check_loss(loss) -> None:
-    """What backward needs: the scalar loss tensor the forward returned."""
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(
-            f"backward needs the loss tensor returned by the forward, got {type(loss).__name__}; pass "
-            "the loss itself (e.g. loss_fn(engine(x), y)), not loss.item() or a number"
-        )
-    if loss.dim() != 0:
-        raise ValueError(
-            f"backward needs a scalar loss, got shape {tuple(loss.shape)}; reduce it first (mean)"
-        )
-
-
-def warn_unstepped(accumulation_steps: int) -> None:
-    warnings.warn(
-        f"backward() was called again after {accumulation_steps} backward() call(s) with no engine.step() "
-        "between: the gradients add up over more micro-batches than gradient_accumulation_steps says, so the "
-        "next step is larger than intended; call engine.step() after every backward(), or raise "
-        "gradient_accumulation_steps",
-        UserWarning,
-        stacklevel=3,
-    )
 
 
 def initialize(model: torch.nn.Module, config, *, accelerator: Accelerator | None = None) -> Engine:

@@ -3,10 +3,13 @@
 Model states (trainable parameters, their gradients, the optimizer's) are the states objects' business. The rest
 of a model also lives on the device: its buffers (masks, running statistics) and its frozen parameters, in the
 precision forward computes in; forward's inputs go there too. On a device that stores fp16/bf16 but computes in
-fp32 (the emulated one), each layer's weights are upcast just before the layer runs.
+fp32 (the emulated one), each layer's weights are upcast just before the layer runs. Last, what backward checks
+of the loss it is given, and of the calls around it.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -109,3 +112,27 @@ def to_device(value, accel: Accelerator, storage_dtype: torch.dtype):
     if isinstance(value, dict):
         return {k: to_device(v, accel, storage_dtype) for k, v in value.items()}
     return value
+
+
+def check_loss(loss) -> None:
+    """What backward needs: the scalar loss tensor the forward returned."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"backward needs the loss tensor returned by the forward, got {type(loss).__name__}; pass "
+            "the loss itself (e.g. loss_fn(engine(x), y)), not loss.item() or a number"
+        )
+    if loss.dim() != 0:
+        raise ValueError(
+            f"backward needs a scalar loss, got shape {tuple(loss.shape)}; reduce it first (mean)"
+        )
+
+
+def warn_unstepped(accumulation_steps: int) -> None:
+    warnings.warn(
+        f"backward() was called again after {accumulation_steps} backward() call(s) with no engine.step() "
+        "between: the gradients add up over more micro-batches than gradient_accumulation_steps says, so the "
+        "next step is larger than intended; call engine.step() after every backward(), or raise "
+        "gradient_accumulation_steps",
+        UserWarning,
+        stacklevel=3,
+    )

@@ -41,7 +41,7 @@ def wants_norm_in_adam(config: Config, host_adam, *, whole_partition: bool) -> b
 
 def keeps_gradients(config: Config, host_adam) -> bool:
     """Whether the delayed update reads each step's gradients where they landed, in areas of their own
-    (practice/kept_gradients.py): one micro-batch (nothing to add up), an Adam that reads them as they came
+    (practice/host_gradients.py): one micro-batch (nothing to add up), an Adam that reads them as they came
     down (fp32 ones: any; bf16: module 4's C Adam), and no fp16 (its loss scale and overflow check work on the
     fp32 partition)."""
     dpu = config.zero_offload.delayed_param_update.enabled

@@ -181,7 +181,7 @@ class OffloadedStates(HostBufferStates):
         if index >= self.host_units:  # updated on the device: accumulate there, as ZeRO-2 does
             return super()._deliver_gradient(index, shard)
         if self.pipeline is not None:  # module 5: queued, backward goes on while it crosses
-            return self.pipeline.deliver(index, shard)
+            return self.pipeline.receive(index, shard)
         gradients_to_host(
             self.transfers, shard, self.grad_staging[index], self.grad_shards[index], 1.0 / self.loss_scale()
         )

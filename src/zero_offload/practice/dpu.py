@@ -98,7 +98,7 @@ class DelayedUpdater:
         return self.update.active(step)
 
     def gradients(self, inv_scale: float) -> list[torch.Tensor]:
-        """What this step's Adam reads: the pipeline's kept gradients (kept_gradients.py) where it keeps them,
+        """What this step's Adam reads: the pipeline's kept gradients (host_gradients.py) where it keeps them,
         else the states' fp32 gradients."""
         if self.pipeline is not None and self.pipeline.keeping:
             return self.pipeline.kept_gradients()

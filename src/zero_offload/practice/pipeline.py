@@ -42,7 +42,7 @@ from ..implementation.offload import HostAdam
 from ..implementation.transfers import host_buffer
 from ..streams import Event, WorkerStream
 from .early_uploads import EarlyUploads
-from .kept_gradients import KeptGradients
+from .host_gradients import HostGradients
 
 
 class HostQueue(WorkerStream):
@@ -84,7 +84,7 @@ class SlotRing:
         self._readers[slot] = reader
 
 
-class OffloadPipeline(EarlyUploads, KeptGradients):
+class OffloadPipeline(EarlyUploads, HostGradients):
     """Runs the offloaded part of a step (OffloadedStates' host units) through the copy stream (D2H), the host
     queue and the upload stream (H2D). With the delayed update, the weights' uploads during the next backward
     are inherited from early_uploads.EarlyUploads."""
@@ -106,7 +106,7 @@ class OffloadPipeline(EarlyUploads, KeptGradients):
         """`needs_whole_gradient`: Adam must wait for backward's end (fp16's overflow check, clipping to the
         global norm); `micro_batches`: gradient accumulation steps; `norm_in_adam`: the host's Adam sums each
         unit's squared norm in its own pass (nothing to clip, so nothing needs the norm before Adam);
-        `keep_gradients`: the delayed update reads each step's gradients where they landed (kept_gradients.py)."""
+        `keep_gradients`: the delayed update reads each step's gradients where they landed (host_gradients.py)."""
         self.states, self.accel = states, accel
         self.host_adam = host_adam
         self.needs_whole_gradient, self.micro_batches = needs_whole_gradient, micro_batches
@@ -164,8 +164,6 @@ class OffloadPipeline(EarlyUploads, KeptGradients):
     # -- backward: called by OffloadedStates as each reduced shard is ready -----------------------------------
     def deliver(self, index: int, shard: torch.Tensor) -> None:
         """Schedule unit `index`'s gradient shard: down the link, into the fp32 partition, and (eager) Adam."""
-        if self.keeping:  # DPU: this step's gradient stays where it lands until the delayed Adam
-            return self._deliver_kept(index, shard)
         transfers = self.states.transfers
         # BEGIN LAB 5.1: the double-buffered bucket schedule
         # 1. slot, staging = self.grad_slots.acquire(self.copy, shard.numel()): a free staging slot, with the
@@ -215,22 +213,6 @@ class OffloadPipeline(EarlyUploads, KeptGradients):
         # Adam sums it on its way through).
         if self.final and not self.norm_in_adam:
             self.squared_norms[index] = squared_norm(grad)
-
-    def define_gradients(self) -> None:
-        """Before the step reads the fp32 partition: a unit no gradient reached this step reads zeros there, not
-        memory that a direct run (which never writes the partition) left as it was allocated."""
-        if self.grads == "undefined" and len(self.updated) < self.states.host_units:
-            self._clear_grads_if("undefined")
-            self.wait()
-
-    def zero_grad(self) -> None:
-        """Clear the host's fp32 gradients on the host queue, behind this step's work, while forward runs."""
-        self._clear_grads_if("dirty")
-
-    def _clear_grads_if(self, state: str) -> None:
-        if self.grads == state:
-            self._pending.append(self.host.submit(self.states.flat_grad.zero_))
-            self.grads = "zero"
 
     # -- the step ------------------------------------------------------------------------------------------
     def update(self, grads: list[torch.Tensor], clip_factor: float, norms: list | None = None) -> float:

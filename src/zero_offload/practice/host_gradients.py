@@ -1,4 +1,10 @@
-"""DPU with module 5's pipeline and one micro-batch: each gradient keeps a place of its own until its Adam.
+"""Where module 5's pipeline puts the host's gradients: the fp32 partition, or, for DPU, areas of their own.
+
+The fp32 partition (OffloadedStates.grad_shards) is where gradients are added up: it is "undefined" as
+allocated (never touched, so it takes no memory until used; a direct run never uses it), "zero", or "dirty"
+once something was added into it, and it is cleared on the host queue, behind the step's work.
+
+DPU with one micro-batch: each gradient keeps a place of its own until its Adam.
 
 Without this, the gradients of step t+1 are added into the host's fp32 gradient partition while the delayed Adam
 of step t is still reading that partition. They can only be queued behind that Adam on the host queue: the
@@ -27,15 +33,40 @@ from ..basics.norm import squared_norm
 from ..implementation.transfers import host_buffer
 
 
-class KeptGradients:
-    """The two areas, for OffloadPipeline (which provides `states`, `accel`, the `copy` and `host` streams,
-    `squared_norms`, `norm_in_adam`, `_pending`, `_keep_until` and `_upload_early`)."""
+class HostGradients:
+    """The fp32 partition's state and DPU's two areas, for OffloadPipeline (which provides `states`, `accel`,
+    `grads`, `updated`, `deliver`, the `copy` and `host` streams, `squared_norms`, `norm_in_adam`, `_pending`, `wait`,
+    `_keep_until` and `_upload_early`)."""
 
     kept: list[list[torch.Tensor]] | None = None  # area -> one region per host unit
     keeping = False  # this step's gradients go to the areas (decided at each backward)
     area = 0  # the area this step's backward writes
     landed: set[int] = frozenset()  # the units whose gradient this step's backward kept
 
+    def define_gradients(self) -> None:
+        """Before the step reads the fp32 partition: a unit no gradient reached this step reads zeros there, not
+        memory that a direct run (which never writes the partition) left as it was allocated."""
+        if self.grads == "undefined" and len(self.updated) < self.states.host_units:
+            self._clear_grads_if("undefined")
+            self.wait()
+
+    def zero_grad(self) -> None:
+        """Clear the host's fp32 gradients on the host queue, behind this step's work, while forward runs."""
+        self._clear_grads_if("dirty")
+
+    def _clear_grads_if(self, state: str) -> None:
+        if self.grads == state:
+            self._pending.append(self.host.submit(self.states.flat_grad.zero_))
+            self.grads = "zero"
+
+    def receive(self, index: int, shard: torch.Tensor) -> None:
+        """Backward hands over unit `index`'s reduced shard: into this step's area under DPU, else `deliver`."""
+        if self.keeping:  # DPU: this step's gradient stays where it lands until the delayed Adam
+            self._deliver_kept(index, shard)
+        else:
+            self.deliver(index, shard)
+
+    # -- DPU's kept gradients --------------------------------------------------------------------------------
     def keep_gradients(self) -> None:
         """Allocate the two areas (call once, when the delayed update runs with one micro-batch)."""
         states = self.states
