@@ -284,3 +284,28 @@ def test_a_missing_cffi_falls_back_to_torchs_adam_with_a_warning_that_names_it(m
     with pytest.warns(UserWarning, match="cffi is not installed"):
         engine = zo.initialize(torch.nn.Linear(4, 4), config, accelerator=EmulatedAccelerator())
     assert isinstance(engine.updating.optimizers.host, torch.optim.AdamW)
+
+
+def _offload_config(**cpu_adam) -> dict:
+    return {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            "zero_offload": {"cpu_adam": cpu_adam}}  # fmt: skip
+
+
+def test_the_config_picks_the_kernel_loop_and_refuses_one_this_cpu_lacks(monkeypatch):
+    import zero_offload as zo
+    from zero_offload.accelerator import EmulatedAccelerator
+    from zero_offload.config import ConfigError
+
+    def host_optimizer(**cpu_adam):
+        model = torch.nn.Linear(4, 4)
+        engine = zo.initialize(model, _offload_config(**cpu_adam), accelerator=EmulatedAccelerator())
+        return engine.updating.optimizers.host
+
+    assert host_optimizer().variant == "auto"  # "widest": what zo_adam_update dispatches to
+    assert host_optimizer(variant="scalar").variant == "scalar"
+    with pytest.raises(ConfigError, match="variant"):
+        zo.config.load_config(_offload_config(variant="sse"))
+    monkeypatch.setattr("zero_offload.tuning.cpu_adam.supported_variants", lambda: ["scalar"])
+    with pytest.raises(ValueError, match="cannot run the 'avx2' variant.*scalar"):
+        host_optimizer(variant="avx2")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -104,3 +105,28 @@ def test_fence_copies_waits_for_the_link():
     hold.release()
     fencer.join()
     assert torch.equal(device, torch.full((8,), 3.0))
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priorities on this system")
+def test_a_pinned_host_queue_yields_to_the_copy_streams_on_its_cores():
+    """The copies stand in for DMA engines: on the host's cores they must not wait behind its Adam."""
+    from zero_offload.practice.pipeline import HostQueue
+
+    cores = sorted(os.sched_getaffinity(0))[:1]
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    pinned, unpinned, copy = HostQueue("pinned", cores), HostQueue("unpinned"), WorkerStream("copy", cores)
+
+    def seen_from(stream):
+        seen = []
+        stream.submit(
+            lambda: seen.append((os.getpriority(os.PRIO_PROCESS, 0), os.sched_getaffinity(0)))
+        ).wait()
+        return seen[0]
+
+    try:
+        assert seen_from(pinned) == (min(own + 10, 19), set(cores))
+        assert seen_from(unpinned)[0] == own
+        assert seen_from(copy) == (own, set(cores))
+    finally:
+        for stream in (pinned, unpinned, copy):
+            stream.close()

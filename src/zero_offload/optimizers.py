@@ -49,10 +49,15 @@ def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: l
 
 def simd_optimizer(config: Config, params: list, kwargs: dict):
     """The C CPU Adam (module 4), or None, with one warning, where no C compiler can build it."""
-    opt, threads = config.optimizer, config.zero_offload.cpu_adam.threads
+    opt, adam = config.optimizer, config.zero_offload.cpu_adam
     try:
         return CPUAdam(
-            params, adamw=opt.adamw, bias_correction=opt.bias_correction, threads=threads, **kwargs
+            params,
+            adamw=opt.adamw,
+            bias_correction=opt.bias_correction,
+            threads=adam.threads,
+            variant="auto" if adam.variant == "widest" else adam.variant,
+            **kwargs,
         )
     except CompilerNotFound as err:
         warnings.warn(f"{err}. Falling back to torch.optim's fused Adam for now.", stacklevel=4)

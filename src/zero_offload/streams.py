@@ -44,6 +44,14 @@ def on_worker_stream() -> bool:
     return getattr(_running_on, "stream", None) is not None
 
 
+def _set_up_worker(cores: list[int] | None, nice: int) -> None:
+    """Run by the worker thread before its first task."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+    if nice and hasattr(os, "setpriority"):  # 0: this thread itself (Linux threads each have their own)
+        os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+
+
 class WorkerStream:
     """The emulated device's stream: one worker thread that runs its queue in order.
 
@@ -52,11 +60,13 @@ class WorkerStream:
 
     waits_without_blocking = True  # wait_event() returns at once: the worker thread does the waiting
 
-    def __init__(self, name: str, cores: list[int] | None = None):
-        # Pinned to `cores` if given; threads it starts (the C Adam's) inherit the pinning.
-        pin = dict(initializer=os.sched_setaffinity, initargs=(0, cores)) if cores else {}
+    def __init__(self, name: str, cores: list[int] | None = None, *, nice: int = 0):
+        # Pinned to `cores` if given, and `nice` steps less urgent than the thread that makes it; threads it
+        # starts (the C Adam's) inherit both.
         self.name = name
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, **pin)
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=name, initializer=_set_up_worker, initargs=(cores, nice)
+        )
         self._waits: list[Event] = []
         # What the worker is doing, for hold() and wait_quiet(); every change is announced on the condition.
         self._state = threading.Condition()

@@ -49,7 +49,13 @@ class HostQueue(WorkerStream):
     """The CPU's share of the step: one thread that runs its queue in order, optionally on `cores` only.
 
     Pinning models a GPU and a CPU as separate processors on a machine that has only CPUs: the device's
-    compute keeps its cores, the host's Adam gets the others, and neither waits for the other's cores."""
+    compute keeps its cores, the host's Adam gets the others, and neither waits for the other's cores. On those
+    cores the emulated device's copies run too, as memcpy by the copy streams' threads, standing in for DMA
+    engines that take no time from the CPU. So a pinned host queue yields to them: at the same priority, a copy
+    that wakes while Adam runs waits milliseconds for the core, and backward waits for the copy."""
+
+    def __init__(self, name: str, cores: list[int] | None = None):
+        super().__init__(name, cores, nice=10 if cores else 0)
 
 
 class SlotRing:

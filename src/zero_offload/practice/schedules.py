@@ -53,8 +53,10 @@ def _restored_threads():
         torch.set_num_threads(threads)
 
 
-def _config(batch: int, schedule: dict, pinned: tuple | None, impl: str, slots: int = 2) -> dict:
-    extension = {"cpu_adam": {"impl": impl}, **schedule}
+def _config(
+    batch: int, schedule: dict, pinned: tuple | None, impl: str, slots: int = 2, variant="widest"
+) -> dict:
+    extension = {"cpu_adam": {"impl": impl, "variant": variant}, **schedule}
     if schedule.get("overlap_offload"):
         extension["staging_slots"] = slots
     if pinned is not None:
@@ -83,6 +85,7 @@ def compare_schedules(
     cores: str = "split",
     impl: str = "simd",
     slots: int = 4,
+    variant: str = "widest",
     out_dir: str | Path | None = None,
 ) -> dict:
     """Median ms per step of each schedule (rounds interleaved), the losses, and each one's timeline plot.
@@ -92,7 +95,9 @@ def compare_schedules(
 
     Small batches make the step optimizer-heavy: the device's work shrinks with the batch, Adam's does not.
     `slots`: the pipeline's staging slots (zero_offload.staging_slots); with 2 backward waits whenever the host
-    falls behind for two units, which on a CPU standing in for the device happens often."""
+    falls behind for two units, which on a CPU standing in for the device happens often. `variant`: the C Adam's
+    loop (zero_offload.cpu_adam.variant); "scalar" stands in for a CPU that takes longer over its step than the
+    device over forward and backward."""
     if cores not in ("split", "shared"):
         raise ValueError(f"cores must be 'split' or 'shared', got {cores!r}")
     pinned = split_cores() if cores == "split" else None  # read before the first engine pins this thread
@@ -106,7 +111,7 @@ def compare_schedules(
         engines = {
             name: initialize(
                 TinyGPT(cfg, seed=0),
-                _config(batch, schedule, pinned, impl, slots),
+                _config(batch, schedule, pinned, impl, slots, variant),
                 accelerator=EmulatedAccelerator(),
             )  # fmt: skip
             for name, schedule in SCHEDULES.items()
@@ -180,6 +185,7 @@ def compare_schedules(
         "seq_len": seq_len,
         "cores": cores,
         "slots": slots,
+        "variant": variant,
         "median_ms": ms,
         "per_round_ms": by_round,
         "busy_ms": busy_ms,  # CPU ms per step of the device's thread and of the host's (practice/busy.py)

@@ -164,6 +164,11 @@ class CPUAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.threads, self.variant = threads, variant
         build()  # compile now, not in the middle of the first step
+        if variant != "auto" and variant not in supported_variants():
+            raise ValueError(
+                f"this CPU cannot run the {variant!r} variant of the C Adam (it runs "
+                f"{', '.join(supported_variants())}); set zero_offload.cpu_adam.variant to one of them, or to 'widest'"
+            )
 
     @torch.no_grad()
     def step(self, closure=None):
