@@ -50,7 +50,7 @@ from zero_offload.basics import estimate_model_states
 from zero_offload.config import ConfigError, load_config
 from zero_offload.demo import INTRODUCTION_CONFIG as INTRO_CONFIG
 from zero_offload.implementation import lr_at
-from zero_offload.implementation.offload import host_buffer
+from zero_offload.implementation.transfers import host_buffer
 from zero_offload.units import format_bytes
 from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss, load_corpus
 
