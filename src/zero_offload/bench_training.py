@@ -119,10 +119,10 @@ def module5_bench(out: Path, *, budget: int = 512 * 2**20) -> dict:
         runs = [("shared", 4, "widest"), ("shared", 2, "widest"), ("shared", 4, "scalar")]
     for cores, slots, variant in runs:
         # 8 rounds: one round's ratio (4 steps of each) varies by +-15% on this machine; the median of 8 settles.
+        plots = out if (slots, variant) == (4, "widest") else None
         r = compare_schedules(
-            "10m", seq_len=8, rounds=8, cores=cores, slots=slots, variant=variant,
-            out_dir=out if (slots, variant) == (4, "widest") else None,
-        )  # fmt: skip
+            "10m", seq_len=8, rounds=8, cores=cores, slots=slots, variant=variant, out_dir=plots
+        )
         key = f"{cores}, {slots} slots" + (", scalar C Adam (host-bound)" if variant == "scalar" else "")
         schedules[key] = {k: v for k, v in r.items() if k != "losses"}
         print_schedules(key, r)

@@ -38,7 +38,7 @@ from .optimizers import build_optimizers
 from .placement import build_states
 from .practice.timeline import Span, Timeline, gather_timeline
 from .principles.comm import Comm
-from .principles.process_group import join_launcher_group
+from .principles.process_group import join_launcher_group, leave_launcher_group
 from .principles.recompute import checkpoint_blocks
 from .tuning.partial import estimate_for_config
 from .updating import Updating
@@ -60,9 +60,8 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config: Config, *, accelerator: Accelerator | None = None):
         check_supported(config)
         self._closed = False
-        self._owns_process_group = (
-            False  # zo.initialize joined the group for this engine: close() destroys it
-        )
+        # zo.initialize joined the group for this engine: close() destroys it.
+        self._owns_process_group = False
         self.config, self.model, self.comm = config, model, Comm()
         self.accelerator = accelerator or get_accelerator(config.zero_offload.device_memory)
         if self.comm.world_size != config.world_size:
@@ -80,8 +79,9 @@ class Engine:
             DynamicLossScaler.from_config(config.fp16) if config.fp16.enabled else StaticLossScaler(1.0)
         )
         # Where the model states live (placement.py): one states object of modules 1 to 5.
-        self.states = build_states(model, params, config, self.accelerator, self.comm,
-                                   loss_scale=lambda: self.scaler.scale)  # fmt: skip
+        self.states = build_states(
+            model, params, config, self.accelerator, self.comm, loss_scale=lambda: self.scaler.scale
+        )
         self.params, self.num_params = self.states.params, self.states.numel
         place_buffers_and_frozen(model, self.accelerator, self.states.dtype)
         offloaded = config.zero_optimization.stage > 0 and config.zero_optimization.offload_optimizer.enabled
@@ -102,9 +102,17 @@ class Engine:
         # Counts the skips in a row nothing cures and stops the run at zero_offload.max_skipped_steps.
         self.skip_guard = SkipGuard(config.zero_offload.max_skipped_steps, fp16=config.fp16.enabled)
         # Who runs Adam, when and on which cores (updating.py): the updaters, module 5's pipeline and delayed update.
-        self.updating = Updating(config, self.states, self.accelerator, self.comm, optimizers=optimizers,
-                                 scaler=self.scaler, skip_guard=self.skip_guard, timeline=self._timeline,
-                                 lr_scheduler=self.lr_scheduler)  # fmt: skip
+        self.updating = Updating(
+            config,
+            self.states,
+            self.accelerator,
+            self.comm,
+            optimizers=optimizers,
+            scaler=self.scaler,
+            skip_guard=self.skip_guard,
+            timeline=self._timeline,
+            lr_scheduler=self.lr_scheduler,
+        )
         self.micro_steps = 0  # backward calls so far
         self.global_steps = 0  # optimizer steps taken or skipped
         self.skipped_steps = 0
@@ -209,8 +217,12 @@ class Engine:
         finally:
             self.updating.close()
             self.states.close()
-            if self._owns_process_group:
-                _release_process_group()
+            if self._owns_process_group:  # the group goes with the last engine open on it
+                heir = next(iter(_open_engines), None)
+                if heir is not None:
+                    heir._owns_process_group = True
+                else:
+                    leave_launcher_group()
 
     # -- checkpoints (implementation/checkpoint.py) ------------------------------------------------------------------
     def save_checkpoint(self, path) -> None:
@@ -269,17 +281,6 @@ class Engine:
         )
 
 
-def _release_process_group() -> None:
-    """The group zo.initialize joined goes with the last engine open on it; until then another engine owns it."""
-    if not torch.distributed.is_initialized():
-        return
-    heir = next(iter(_open_engines), None)  # another engine still trains on the same group
-    if heir is not None:
-        heir._owns_process_group = True
-    else:
-        torch.distributed.destroy_process_group()
-
-
 def initialize(model: torch.nn.Module, config, *, accelerator: Accelerator | None = None) -> Engine:
     """Wrap `model` in an engine configured by `config` (a dict, a path to a DeepSpeed-style JSON, or a Config).
 
@@ -292,7 +293,7 @@ def initialize(model: torch.nn.Module, config, *, accelerator: Accelerator | Non
         engine = Engine(model, load_config(config, world_size=world_size), accelerator=accelerator)
     except BaseException:
         if created_group:  # nobody else will use the group this call made: leave no gloo threads behind
-            torch.distributed.destroy_process_group()
+            leave_launcher_group()
         raise
     engine._owns_process_group = created_group
     return engine

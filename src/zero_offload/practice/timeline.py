@@ -248,8 +248,8 @@ def _complete(span: Span, origin: float, pid: int, tid: int, thread: str) -> dic
     """A complete event ("X"): its start and its duration in one record."""
     start, end = _microseconds(span.start - origin), _microseconds(span.end - origin)
     category = thread.split(" (")[0]  # a second row of a thread belongs to the same category
-    return {"name": span.stage, "cat": category, "ph": "X", "ts": start, "dur": round(end - start, 3),
-            "pid": pid, "tid": tid, "args": {"step": span.step}}  # fmt: skip
+    event = {"name": span.stage, "cat": category, "ph": "X", "ts": start, "dur": round(end - start, 3)}
+    return {**event, "pid": pid, "tid": tid, "args": {"step": span.step}}
 
 
 def _meta(kind: str, pid: int, tid: int, **args) -> dict:

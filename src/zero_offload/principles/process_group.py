@@ -78,6 +78,12 @@ def join_launcher_group(backend: str | None = None) -> bool:
     return True
 
 
+def leave_launcher_group() -> None:
+    """Destroy the group join_launcher_group made, if it is still there (idempotent)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     if value is None or value.strip() == "":
