@@ -88,8 +88,8 @@ class SlotRing:
 
 class OffloadPipeline(EarlyUploads, HostGradients):
     """Runs the offloaded part of a step (OffloadedStates' host units) through the copy stream (D2H), the host
-    queue and the upload stream (H2D). With the delayed update, the weights' uploads during the next backward
-    are inherited from early_uploads.EarlyUploads."""
+    queue and the upload stream (H2D). DPU's uploads during the next backward: early_uploads.py; where the
+    host's gradients go (the fp32 partition, or DPU's kept areas): host_gradients.py."""
 
     def __init__(
         self,
@@ -109,8 +109,7 @@ class OffloadPipeline(EarlyUploads, HostGradients):
         global norm); `micro_batches`: gradient accumulation steps; `norm_in_adam`: the host's Adam sums each
         unit's squared norm in its own pass (nothing to clip, so nothing needs the norm before Adam);
         `keep_gradients`: the delayed update reads each step's gradients where they landed (host_gradients.py)."""
-        self.states, self.accel = states, accel
-        self.host_adam = host_adam
+        self.states, self.accel, self.host_adam = states, accel, host_adam
         self.needs_whole_gradient, self.micro_batches = needs_whole_gradient, micro_batches
         # On the emulated device the copies are memcpy by a CPU core: the host's (`cores`), standing in for
         # the DMA engines, so that they do not take the device's compute core. One stream for each direction.
@@ -133,9 +132,7 @@ class OffloadPipeline(EarlyUploads, HostGradients):
         # Eager with a single micro-batch and the C Adam: the gradient is never added anywhere, so Adam reads
         # the staging slot itself, and the fp32 gradient partition is neither written nor cleared.
         self.direct = False
-        # The fp32 gradient partition: "undefined" as allocated (never touched, so it takes no memory until
-        # used: a direct run never uses it), "zero", or "dirty" once something was added into it.
-        self.grads = "undefined"
+        self.grads = "undefined"  # the fp32 gradient partition's state: "zero", "dirty" (host_gradients.py)
         self.squared_norms: dict[int, float] = {}  # unit -> squared norm of its complete gradient
         self.norm_in_adam = norm_in_adam
         self.clip_factor = 1.0
