@@ -41,7 +41,7 @@ class HostGradients:
     kept: list[list[torch.Tensor]] | None = None  # area -> one region per host unit
     keeping = False  # this step's gradients go to the areas (decided at each backward)
     area = 0  # the area this step's backward writes
-    landed: set[int] = frozenset()  # the units whose gradient this step's backward kept
+    landed: frozenset[int] = frozenset()  # the units whose gradient this step's backward kept
 
     def define_gradients(self) -> None:
         """Before the step reads the fp32 partition: a unit no gradient reached this step reads zeros there, not
@@ -81,10 +81,10 @@ class HostGradients:
         region = self.kept[self.area][index]
         self.landed = self.landed | {index}
         down = self.copy.submit(self.states.transfers.to_host, region, shard, blocking=False)
-        self.host.wait_event(down)
         if self._early_after is not None:
             self._upload_early(index)
-        if not self.norm_in_adam:
+        if not self.norm_in_adam:  # the host reads the region once the copy has landed
+            self.host.wait_event(down)
             self._pending.append(self.host.submit(self._kept_norm, index, region))
         self._keep_until(shard, down)
 
