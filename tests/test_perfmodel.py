@@ -27,7 +27,7 @@ from zero_offload.tuning.perfmodel import (
     plan,
     plan_all,
 )
-from zero_offload.tuning.plan_report import describe
+from zero_offload.tuning.plan_report import describe, engine_only_keys, format_recommendation
 
 B = 10**9
 ONE_A100 = replace(PRESETS["a100-80g"], gpus=1, gpu_memory=80 * B, host_memory=256 * B)
@@ -78,6 +78,12 @@ def test_13b_on_one_80gb_gpu():
     }
     assert smallest_ratio(ONE_A100, THIRTEEN_B, 2) == 0.8
     assert plan(ONE_A100, THIRTEEN_B, 2, "optimizer", 0.75).device_bytes > ONE_A100.gpu_memory * 0.92
+    # DeepSpeed takes a partial offload at stage 3 only: the printed config says which keys are this engine's.
+    report = format_recommendation(rec)
+    assert "not for DeepSpeed: zero_optimization.offload_optimizer.ratio at stage 2" in report
+    assert "not for DeepSpeed: zero_offload" in report
+    stage3 = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}
+    assert engine_only_keys(stage3) == []
 
 
 def test_what_fits_is_recommended_without_offload_and_nothing_fitting_says_so():

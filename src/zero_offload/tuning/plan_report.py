@@ -79,7 +79,26 @@ def format_recommendation(rec: Recommendation) -> str:
     lines = [f"Recommendation: {rec.plan.label}", *(f"  - {r}" for r in rec.reasons)]
     lines += [f"  {a.level}: [{a.rule}] {a.message}" for a in rec.advice]
     lines += ["Config (DeepSpeed JSON, with zero_offload's own keys):", json.dumps(rec.config, indent=2)]
+    lines += [f"  not for DeepSpeed: {note}" for note in engine_only_keys(rec.config)]
     return "\n".join(lines)
+
+
+def engine_only_keys(config: dict) -> list[str]:
+    """What DeepSpeed would make of the keys of `config` that only this engine reads: a DeepSpeed user must
+    know which lines to drop, and why, before handing the printed JSON to deepspeed.initialize."""
+    notes = []
+    zero = config.get("zero_optimization", {})
+    if zero.get("offload_optimizer", {}).get("ratio", 1.0) < 1.0 and zero.get("stage") != 3:
+        notes.append(
+            f"zero_optimization.offload_optimizer.ratio at stage {zero.get('stage')}: DeepSpeed takes a partial "
+            "optimizer offload only at stage 3 and refuses this config; to run it under DeepSpeed, drop ratio "
+            "(the whole optimizer then goes to the host: check that it fits) or use stage 3"
+        )
+    if "zero_offload" in config:
+        notes.append(
+            "zero_offload: this engine's own section (its C Adam's threads); DeepSpeed does not read it"
+        )
+    return notes
 
 
 # -- what `zo plan --plot` draws: compute grows with the batch, the CPU step and the copies do not ----------
