@@ -87,6 +87,7 @@ class SchedulerConfig:
 class OffloadConfig:
     device: str = "none"  # "none" | "cpu" | "nvme"
     nvme_path: str | None = None
+    # False, as DeepSpeed's was up to v0.19.4; from v0.19.5 DeepSpeed pins by default. Write it out to match.
     pin_memory: bool = False
     buffer_count: int = 4
     ratio: float = 1.0  # share of the optimizer step done on the CPU (offload_optimizer only)
