@@ -516,18 +516,18 @@ show(fig, "recompute.png")
 # 这个单元的梯度全部产生后再释放。下面在一个进程里（N = 1，"分片"就是整个单元，聚合是一次本地拷贝，
 # 但分配与释放的过程与多进程时完全一样）记录每个模块开始计算时设备上参数类别的字节数。
 #
-# `allgather_bucket_size` 控制**预取**：聚合一个单元时，顺便异步发起后面若干单元的聚合，总量不超过这么多元素，
+# `stage3_prefetch_bucket_size` 控制**预取**：聚合一个单元时，顺便异步发起后面若干单元的聚合，总量不超过这么多元素，
 # 让通信与当前模块的计算重叠。前向和反向的顺序各自来自它们的第一次（那一次只记录、不预取），所以要看第二步。
 
 # %%
 E_MODEL, E_BATCH = ("nano" if SMOKE else "tiny"), 4
 data_e = ByteBatches(load_corpus(), TinyGPT(E_MODEL).cfg.seq_len)
 traces, checks = {}, {}
-for bucket in (1, 200_000, 500_000_000):  # no prefetch, about one block ahead, DeepSpeed's default (everything)
+for bucket in (1, 200_000, 500_000_000):  # no prefetch, about one block ahead, everything (10x DeepSpeed's 5e7)
     accel = EmulatedAccelerator()
     model = TinyGPT(E_MODEL)
     engine = zo.initialize(model, {**ac_base, "train_batch_size": E_BATCH,
-                                   "zero_optimization": {"stage": 3, "allgather_bucket_size": bucket}},
+                                   "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": bucket}},
                            accelerator=accel)
     trace = []
 
@@ -552,7 +552,7 @@ for bucket in (1, 200_000, 500_000_000):  # no prefetch, about one block ahead, 
     traces[bucket] = list(trace)
     checks[bucket] = (at_rest, after_forward, after_backward, max(trace), sum(gathered), len(gathered))
 
-print(f"{'allgather_bucket_size':>22}{'at rest':>12}{'after fwd':>12}{'after bwd':>12}{'max in use':>12}"
+print(f"{'stage3_prefetch_bucket_size':>29}{'at rest':>12}{'after fwd':>12}{'after bwd':>12}{'max in use':>12}"
       f"{'units gathered after bwd':>26}")
 for bucket, (rest, fwd, bwd, top, n_gathered, n_units) in checks.items():
     print(f"{bucket:>22,}{format_bytes(rest):>12}{format_bytes(fwd):>12}{format_bytes(bwd):>12}"
@@ -562,7 +562,7 @@ for bucket, (rest, fwd, bwd, top, n_gathered, n_units) in checks.items():
 # %%
 fig, ax = plt.subplots(figsize=(8, 4))
 for bucket, trace in traces.items():
-    ax.step(range(len(trace)), np.array(trace) / 2**20, where="post", label=f"allgather_bucket_size {bucket:,}")
+    ax.step(range(len(trace)), np.array(trace) / 2**20, where="post", label=f"stage3_prefetch_bucket_size {bucket:,}")
 ax.axhline(checks[1][0] / 2**20, color="black", linestyle="--", linewidth=1, label="the shards alone (at rest)")
 n_forward = len(traces[1]) // 2
 ax.axvline(n_forward - 0.5, color="gray", linestyle=":")
@@ -578,7 +578,7 @@ show(fig, "stage3_gather_release.png")
 # %% [markdown]
 # - 前向之前、前向之后、反向之后，设备上的参数字节数相同：只有分片。反向之后没有一个单元处于"已聚合"状态
 #   （`engine.states.units[i].gathered` 全是 False）。
-# - 不预取（`allgather_bucket_size` = 1）时，任一时刻最多只多出正在用的那个单元，曲线是锯齿；
+# - 不预取（`stage3_prefetch_bucket_size` = 1）时，任一时刻最多只多出正在用的那个单元，曲线是锯齿；
 #   预取得越多，峰值越高：DeepSpeed 的默认值 5 亿元素对小模型等于"一开始就把后面的全取来"。
 #   预取用显存换时间：聚合提前发出，与计算重叠。
 # - 反向部分同样随预取量升高，而且基线比前向高出一个 `wte` 单元。反向最先运行的是 `lm_head`，它聚合了共享的
@@ -590,9 +590,9 @@ show(fig, "stage3_gather_release.png")
 
 # %%
 if 3 in runs:
-    no_prefetch = zo_train("stage3_no_prefetch", {"stage": 3, **ZERO, "allgather_bucket_size": 1})
+    no_prefetch = zo_train("stage3_no_prefetch", {"stage": 3, **ZERO, "stage3_prefetch_bucket_size": 1})
     print(f"{'stage 3':<26}{'all_gather/step':>16}{'reduce_scatter/step':>21}{'last loss':>11}")
-    for label, run in (("prefetch (default)", runs[3]), ("allgather_bucket_size 1", no_prefetch)):
+    for label, run in (("prefetch (default)", runs[3]), ("stage3_prefetch_bucket_size 1", no_prefetch)):
         t = run["traffic_elements"]
         print(f"{label:<26}{t['all_gather'] / run['steps']:>16,.0f}{t['reduce_scatter'] / run['steps']:>21,.0f}"
               f"{run['losses'][-1]:>11.4f}")

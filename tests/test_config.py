@@ -60,7 +60,7 @@ ZERO2_OFFLOAD = {
         "offload_optimizer": {"device": "cpu", "pin_memory": True},
         "overlap_comm": True,
         "reduce_bucket_size": 5e8,
-        "allgather_bucket_size": 2e8,
+        "stage3_prefetch_bucket_size": 2e8,
     },
 }
 
@@ -453,7 +453,7 @@ def test_zero2_offload_config_loads_as_written():
     assert zero.offload_optimizer == OffloadConfig(device="cpu", pin_memory=True)
     assert zero.offload_optimizer.enabled and not zero.offload_param.enabled
     assert zero.reduce_bucket_size == 500_000_000 and type(zero.reduce_bucket_size) is int
-    assert zero.allgather_bucket_size == 200_000_000
+    assert zero.stage3_prefetch_bucket_size == 200_000_000
     assert cfg.optimizer == OptimizerConfig(type="AdamW", lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     assert cfg.scheduler.type == "WarmupDecayLR"
     assert cfg.scheduler.params["warmup_num_steps"] == 100
@@ -564,6 +564,7 @@ CHECKPOINTING = with_(BASE, "activation_checkpointing", {})
 NO_EFFECT = [
     (BASE, "steps_per_print", 100),
     (STAGE2, "zero_optimization.contiguous_gradients", False),
+    (STAGE2, "zero_optimization.allgather_bucket_size", 2e8),
     (CHECKPOINTING, "activation_checkpointing.number_checkpoints", 4),
     (CHECKPOINTING, "activation_checkpointing.contiguous_memory_optimization", True),
     (CHECKPOINTING, "activation_checkpointing.synchronize_checkpoint_boundary", True),

@@ -36,13 +36,15 @@ SCHEMA = {
                              "cos_min_ratio": None, "last_batch_iteration": None}},
     "zero_optimization": {"stage": None, "offload_optimizer": OFFLOAD, "offload_param": OFFLOAD,
                           "overlap_comm": None, "contiguous_gradients": None, "reduce_bucket_size": None,
-                          "allgather_bucket_size": None, "sub_group_size": None, "cpu_offload": None,
+                          "allgather_bucket_size": None, "stage3_prefetch_bucket_size": None,
+                          "sub_group_size": None, "cpu_offload": None,
                           "stage3_max_live_parameters": None},
     "activation_checkpointing": {"partition_activations": None, "cpu_checkpointing": None,
                                  "contiguous_memory_optimization": None, "number_checkpoints": None,
                                  "synchronize_checkpoint_boundary": None, "profile": None},
     "zero_offload": {"device_memory": None, "overlap_offload": None, "staging_slots": None,
-                     "max_skipped_steps": None, "seed": None, "cpu_adam": {"impl": None, "threads": None},
+                     "max_skipped_steps": None, "seed": None,
+                     "cpu_adam": {"impl": None, "threads": None, "variant": None},
                      "delayed_param_update": {"enabled": None, "start_step": None},
                      "cores": {"device": None, "host": None}},
 }  # fmt: skip
@@ -69,7 +71,7 @@ COUNTS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumu
           "initial_scale_power", "last_batch_iteration", "stage3_max_live_parameters")  # fmt: skip
 NUMBERS = ("gradient_clipping", "loss_scale", "min_loss_scale", "lr", "eps", "weight_decay", "ratio",
            "warmup_min_lr", "warmup_max_lr", "warmup_min_ratio", "cos_min_ratio")  # fmt: skip
-SIZES = ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size")
+SIZES = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "sub_group_size")
 GOOD = {
     **{name: st.booleans() for name in SWITCHES},
     **{name: st.sampled_from([1, 2, 4, 8]) for name in COUNTS},

@@ -180,7 +180,7 @@ def test_shard_math_is_consistent_with_one_process():
 
 def _stage3_prefetch(rank, world_size):
     return {
-        size: train_run(rank, world_size, make_config(3, allgather_bucket_size=size), steps=4)
+        size: train_run(rank, world_size, make_config(3, stage3_prefetch_bucket_size=size), steps=4)
         for size in (1, 3_000, 10**9)
     }
 
@@ -211,3 +211,31 @@ def test_stage3_setup_never_holds_more_than_one_unit_of_full_weights():
     engine = zo.initialize(TinyGPT("nano"), make_config(3), accelerator=accel)
     largest_unit = 4 * max(unit.padded_numel for unit in engine.states.units)
     assert accel.memory_stats().peak <= accel.memory_stats().in_use + largest_unit
+
+
+def test_stage3_prefetches_as_far_as_deepspeeds_stage3_key_says():
+    """DeepSpeed's stage-3 prefetch key is stage3_prefetch_bucket_size (default 5e7); allgather_bucket_size
+    is its stages 1-2 bucket, which changes nothing here: a config that sets it is told so."""
+    import warnings
+
+    from zero_offload.config import load_config
+
+    assert load_config(make_config(3)).zero_optimization.stage3_prefetch_bucket_size == 50_000_000
+    engine = _stage3_engine(stage3_prefetch_bucket_size=3_000)
+    assert engine.states.prefetch_numel == 3_000
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = _stage3_engine(allgather_bucket_size=3_000)
+    assert engine.states.prefetch_numel == 50_000_000
+    message = " ".join(str(w.message) for w in caught)
+    assert (
+        "zero_optimization.allgather_bucket_size (stage 3 prefetches stage3_prefetch_bucket_size)" in message
+    )
+
+
+def _stage3_engine(**zero):
+    import zero_offload as zo
+    from zero_offload.accelerator import EmulatedAccelerator
+    from zero_offload.workloads import TinyGPT
+
+    return zo.initialize(TinyGPT("nano", seed=0), make_config(3, **zero), accelerator=EmulatedAccelerator())

@@ -6,7 +6,7 @@ A DeepSpeed user's JSON works here unchanged for the subset this engine implemen
     gradient_clipping, fp16 (dynamic loss scaling), bf16 (alias "bfloat16"),
     optimizer (Adam / AdamW), scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR),
     zero_optimization (stage, offload_optimizer, offload_param, overlap_comm,
-    reduce_bucket_size, allgather_bucket_size, sub_group_size), activation_checkpointing.
+    reduce_bucket_size, stage3_prefetch_bucket_size, sub_group_size), activation_checkpointing.
 
 Our own settings live under one top-level key, "zero_offload" (extension.py lists them), so a DeepSpeed config
 stays a DeepSpeed config.

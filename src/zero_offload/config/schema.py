@@ -104,7 +104,9 @@ class ZeroConfig:
     offload_param: OffloadConfig = OffloadConfig()
     overlap_comm: bool = False
     reduce_bucket_size: int = 500_000_000  # elements, not bytes (DeepSpeed's unit)
-    allgather_bucket_size: int = 500_000_000
+    stage3_prefetch_bucket_size: int = (
+        50_000_000  # elements stage 3 gathers ahead of use (DeepSpeed's default)
+    )
     sub_group_size: int = 1_000_000_000
 
 

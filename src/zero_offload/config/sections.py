@@ -22,13 +22,15 @@ from .schema import (
 _IGNORED_ZERO = (
     # The engine's gradients always go through contiguous staging buffers: DeepSpeed's switch for that is moot.
     "contiguous_gradients",
+    # DeepSpeed's all-gather bucket at stages 1-2: the engine gathers one unit at a time. Stage 3's prefetch has a
+    # key of its own, stage3_prefetch_bucket_size, which it honours.
+    "allgather_bucket_size",
     "reduce_scatter",
     "allgather_partitions",
     "round_robin_gradients",
     "load_from_fp32_weights",
     "elastic_checkpoint",
     "ignore_unused_parameters",
-    "stage3_prefetch_bucket_size",
     "stage3_param_persistence_threshold",
     "stage3_max_live_parameters",
     "stage3_max_reuse_distance",
@@ -217,10 +219,15 @@ def read_zero(s: Section) -> ZeroConfig:
         offload_param=_offload(s.section("offload_param"), is_param=True),
         overlap_comm=s.get("overlap_comm", bool, False),
         reduce_bucket_size=s.get("reduce_bucket_size", SIZE, 500_000_000, **POSITIVE),
-        allgather_bucket_size=s.get("allgather_bucket_size", SIZE, 500_000_000, **POSITIVE),
+        stage3_prefetch_bucket_size=s.get("stage3_prefetch_bucket_size", SIZE, 50_000_000, **POSITIVE),
         sub_group_size=s.get("sub_group_size", SIZE, 1_000_000_000, **POSITIVE),
     )
     s.done()
+    allgather = s.key("allgather_bucket_size")
+    if allgather in s.ignored:  # the key people reach for at stage 3: name the one that works there
+        s.ignored[s.ignored.index(allgather)] = (
+            f"{allgather} (stage 3 prefetches stage3_prefetch_bucket_size)"
+        )
     if out.offload_param.enabled and out.stage != 3:
         path = s.key("offload_param.device")
         raise ConfigError(

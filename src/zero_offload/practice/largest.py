@@ -35,7 +35,7 @@ def _config(cfg: GPTConfig, offload: bool, budget: int) -> dict:
             "offload_param": {"device": "cpu"},
             "offload_optimizer": {"device": "cpu"},
             # About one block gathered ahead and one bucket of gradients: the device holds a layer or two.
-            "allgather_bucket_size": block,
+            "stage3_prefetch_bucket_size": block,
             "reduce_bucket_size": block,
         }
     return {

@@ -50,7 +50,7 @@ class GatheredWeights:
             self._prefetch_after(index)
 
     def _prefetch_after(self, index: int) -> None:
-        """Start the all-gathers of the units that come next, up to `allgather_bucket_size` elements ahead.
+        """Start the all-gathers of the units that come next, up to `stage3_prefetch_bucket_size` elements ahead.
 
         The order of each phase is the one its first pass used (forward and backward differ: backward starts
         with the output head, which gathers the tied embedding); while a phase is being recorded nothing is
