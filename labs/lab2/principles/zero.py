@@ -103,7 +103,7 @@ class ShardedStates(GatheredWeights):
             id(p): (index, i) for index, unit in enumerate(self.units) for i, p in enumerate(unit.params)
         }
         self.grad_shard_transient = None
-        self._init_gathering(zero.allgather_bucket_size)
+        self._init_gathering(zero.stage3_prefetch_bucket_size)
         self.buckets = None
         if self.partition_gradients:
             self.buckets = GradientBuckets(
