@@ -117,13 +117,15 @@ class Section:
         self.has(name)
         return Section(self.data.pop(name, {}), self.key(name), self.ignored)
 
-    def ignore(self, *names: str) -> None:
-        """Keys we accept and that have no effect here: load_config warns once about all of them."""
+    def ignore(self, *names: str, hints: dict[str, str] | None = None) -> None:
+        """Keys we accept and that have no effect here: load_config warns once about all of them, each with its
+        hint, if `hints` has one (what to write instead)."""
         self.tolerated.update(names)
         for name in names:
             if self.has(name):
                 self.data.pop(name)
-                self.ignored.append(self.key(name))
+                hint = (hints or {}).get(name)
+                self.ignored.append(self.key(name) + (f" ({hint})" if hint else ""))
 
     def refuse(self, name: str, why: str) -> None:
         """A DeepSpeed switch for a feature we do not have: false is fine, true is an error."""

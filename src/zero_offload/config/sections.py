@@ -44,6 +44,8 @@ _IGNORED_ZERO = (
     "use_multi_rank_bucket_allreduce",
     "log_trace_cache_warnings",
 )
+# The key people reach for at stage 3: its warning names the one that works there.
+_IGNORED_ZERO_HINTS = {"allgather_bucket_size": "stage 3 prefetches stage3_prefetch_bucket_size"}
 # The engine recomputes every block; these tune how DeepSpeed's own checkpointing lays out or reports it.
 _IGNORED_CHECKPOINTING = (
     "contiguous_memory_optimization",
@@ -212,7 +214,7 @@ def read_zero(s: Section) -> ZeroConfig:
         'this legacy key is gone; write "offload_optimizer": {"device": "cpu"} '
         "inside zero_optimization instead",
     )
-    s.ignore(*_IGNORED_ZERO)
+    s.ignore(*_IGNORED_ZERO, hints=_IGNORED_ZERO_HINTS)
     out = ZeroConfig(
         stage=s.get("stage", int, 0, check=lambda v: v in (0, 1, 2, 3), need=f"0, 1, 2 or 3 ({_STAGES})"),
         offload_optimizer=_offload(s.section("offload_optimizer"), is_param=False),
@@ -223,11 +225,6 @@ def read_zero(s: Section) -> ZeroConfig:
         sub_group_size=s.get("sub_group_size", SIZE, 1_000_000_000, **POSITIVE),
     )
     s.done()
-    allgather = s.key("allgather_bucket_size")
-    if allgather in s.ignored:  # the key people reach for at stage 3: name the one that works there
-        s.ignored[s.ignored.index(allgather)] = (
-            f"{allgather} (stage 3 prefetches stage3_prefetch_bucket_size)"
-        )
     if out.offload_param.enabled and out.stage != 3:
         path = s.key("offload_param.device")
         raise ConfigError(
