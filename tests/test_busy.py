@@ -9,6 +9,7 @@ import pytest
 
 from zero_offload.practice.busy import Busy, cpu_seconds
 from zero_offload.practice.schedules import compare_schedules
+from zero_offload.streams import WorkerStream, seconds_blocked
 
 
 def _burn(seconds: float) -> None:
@@ -31,6 +32,24 @@ def test_work_on_another_thread_is_the_hosts_and_waiting_is_nobodys():
     assert busy.device >= 0.099 and busy.host < 0.05
 
 
+def test_blocking_on_an_event_is_counted_as_waited_and_an_event_already_done_costs_nothing():
+    stream = WorkerStream("held")
+    hold = stream.hold()
+    done = stream.submit(lambda: None)
+    start = cpu_seconds()
+    threading.Timer(0.1, hold.release).start()
+    done.wait()  # blocked until the timer releases the stream, at least 0.1 s after it was started
+    busy = Busy.since(start)
+    assert busy.waited >= 0.05 and busy.device < 0.05
+    before = seconds_blocked()
+    done.wait()
+    assert seconds_blocked() == before
+    failed = stream.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # an error on the stream still surfaces through a counted wait
+        failed.wait()
+    stream.close()
+
+
 def test_the_bound_is_the_busier_side_or_the_shared_cores_work():
     busy = Busy(device=0.030, host=0.050)
     assert busy.bound(1, 1) == pytest.approx(0.050)  # split: the host is the bottleneck
@@ -38,15 +57,17 @@ def test_the_bound_is_the_busier_side_or_the_shared_cores_work():
     assert busy.bound(2, None) == pytest.approx(0.040)  # shared: all the work over both cores
     assert Busy(0.050, 0.010).bound(2, None) == pytest.approx(0.050)  # but never below the device's own work
     assert (Busy(1.0, 2.0) + Busy(0.5, 0.25)) == Busy(1.5, 2.25)
+    assert (Busy(1.0, 2.0, 0.5) + Busy(0.5, 0.25, 0.25)).waited == 0.75
 
 
 def test_compare_schedules_reports_busy_times_and_the_bound(tmp_path):
     r = compare_schedules("nano", seq_len=8, steps=2, rounds=1, cores="shared", out_dir=tmp_path)
     for name, wall in r["median_ms"].items():
         busy, bound = r["busy_ms"][name], r["bound_ms"][name]
-        assert busy["device"] > 0 and busy["host"] >= 0
+        assert busy["device"] > 0 and busy["host"] >= 0 and busy["waited"] >= 0
         assert bound >= busy["device"]  # shared cores: never below the device's own work
         assert r["of_bound"][name] == pytest.approx(wall / bound)
+        assert r["mean_ms"][name] > 0 and r["landing_ms"][name] >= 0
     assert (tmp_path / "step_shared.png").stat().st_size > 10_000
     trace = tmp_path / "timeline_delayed_shared.json"
     assert trace.stat().st_size > 0

@@ -67,13 +67,16 @@ def print_offload_overhead(overhead: dict) -> None:
 
 
 def print_schedules(key: str, r: dict) -> None:
-    """One compare_schedules result: each schedule's wall time, the sides' busy times, the bound."""
+    """One compare_schedules result: each schedule's wall time, the sides' busy times, the bound, and where the
+    device's thread spent the rest of the step: blocked on events, or (the rest) waiting for the GIL or a core."""
     print(f"  {key}:")
     for name, ms in r["median_ms"].items():
         busy = r["busy_ms"][name]
+        rest = r["mean_ms"][name] - busy["device"] - busy["waited"]
         print(
             f"    {name:<14} {ms:>6.1f} ms   busy device {busy['device']:>6.1f} / host {busy['host']:>6.1f}   "
-            f"bound {r['bound_ms'][name]:>6.1f}   wall/bound {r['of_bound'][name]:.2f}"
+            f"bound {r['bound_ms'][name]:>6.1f}   wall/bound {r['of_bound'][name]:.2f}   "
+            f"device waited {busy['waited']:>5.1f} + rest {rest:>5.1f}"
         )
     serial, overlapped, delayed = (r["median_ms"][k] for k in ("serial", "overlapped", "delayed (DPU)"))
     print(
@@ -110,18 +113,23 @@ def module5_bench(out: Path, *, budget: int = 512 * 2**20) -> dict:
         "\nOffload schedules, 10.8M-parameter GPT, batch 1 x 8 tokens (optimizer-heavy), median ms per step "
         "(speed-ups: median of 8 rounds' own ratios);"
         "\nbusy: CPU ms per step of the device's thread / of the host's threads; bound: the shortest step that"
-        " work allows (practice/busy.py); wall / bound: 1.00 is a step that hides everything"
+        " work allows (practice/busy.py); wall / bound: 1.00 is a step that hides everything;"
+        "\ndevice waited: ms per step its thread was blocked on events; rest: mean wall - busy - waited, the time it"
+        " was runnable but not running (the GIL: every thread's hooks and queues are Python)"
     )
-    # 4 staging slots, then the same with double buffering only, to show what the two extra slots buy; last, the
-    # host-bound regime: the C Adam's scalar loop stands in for a CPU whose step is longer than forward + backward.
-    runs = [("split", 4, "widest"), ("shared", 4, "widest"), ("split", 2, "widest"), ("split", 4, "scalar")]
+    # 4 staging slots, then the same with double buffering only and with 16, to show what slots buy (with 16,
+    # backward seldom waits for a copy: what is left of the gap is the rest); last, the host-bound regime: the C
+    # Adam's scalar loop stands in for a CPU whose step is longer than forward + backward.
+    runs = [("split", 4, "widest"), ("shared", 4, "widest"), ("split", 2, "widest"), ("split", 16, "widest")]
+    runs.append(("split", 4, "scalar"))
     if split_cores() is None:
         runs = [("shared", 4, "widest"), ("shared", 2, "widest"), ("shared", 4, "scalar")]
     for cores, slots, variant in runs:
-        # 8 rounds: one round's ratio (4 steps of each) varies by +-15% on this machine; the median of 8 settles.
+        # 8 rounds: one round's ratio varies by +-15% on this machine; the median of 8 settles. 8 steps a turn:
+        # a turn's first step has no delayed update in flight behind it (the last turn landed it).
         plots = out if (slots, variant) == (4, "widest") else None
         r = compare_schedules(
-            "10m", seq_len=8, rounds=8, cores=cores, slots=slots, variant=variant, out_dir=plots
+            "10m", seq_len=8, steps=8, rounds=8, cores=cores, slots=slots, variant=variant, out_dir=plots
         )
         key = f"{cores}, {slots} slots" + (", scalar C Adam (host-bound)" if variant == "scalar" else "")
         schedules[key] = {k: v for k, v in r.items() if k != "losses"}

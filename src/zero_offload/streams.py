@@ -14,11 +14,19 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 _running_on = threading.local()  # .stream: the emulated stream whose worker is this thread, if any
+_blocked = threading.local()  # .seconds: how long this thread has waited in Event.wait for work not yet done
+
+
+def seconds_blocked() -> float:
+    """How long the calling thread has been blocked in Event.wait so far (work that was done already costs
+    nothing): what a schedule makes the device's thread wait for the copies and the host."""
+    return getattr(_blocked, "seconds", 0.0)
 
 
 class Event:
@@ -28,6 +36,16 @@ class Event:
         self._future, self._cuda_event = future, cuda_event
 
     def wait(self) -> None:
+        if self.done():
+            self._wait()  # nothing to wait for, but an exception from the stream's worker still surfaces
+            return
+        start = time.perf_counter()
+        try:
+            self._wait()
+        finally:
+            _blocked.seconds = seconds_blocked() + time.perf_counter() - start
+
+    def _wait(self) -> None:
         if self._cuda_event is not None:
             self._cuda_event.synchronize()
         elif self._future is not None:
@@ -59,6 +77,7 @@ class WorkerStream:
     """
 
     waits_without_blocking = True  # wait_event() returns at once: the worker thread does the waiting
+    runs_on_host = True  # a task's work is done when its function returns: a copy has landed by then
 
     def __init__(self, name: str, cores: list[int] | None = None, *, nice: int = 0):
         # Pinned to `cores` if given, and `nice` steps less urgent than the thread that makes it; threads it
@@ -174,6 +193,7 @@ class CudaStream:
 
     # Waiting for a CUDA event is enqueued on the stream; waiting for a host thread's work blocks the caller.
     waits_without_blocking = False
+    runs_on_host = False  # a task only enqueues kernels: what they write is there once its event is done
 
     def __init__(self, device: torch.device):
         self._stream = torch.cuda.Stream(device=device)

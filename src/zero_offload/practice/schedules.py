@@ -16,6 +16,7 @@ import os
 import statistics
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 from .. import initialize
 from ..accelerator import EmulatedAccelerator
+from ..streams import seconds_blocked
 from ..workloads import ByteBatches, TinyGPT, gpt_config, lm_loss, load_corpus
 from .busy import Busy, cpu_seconds
 from .timeline_plots import plot_step
@@ -119,9 +121,14 @@ def compare_schedules(
         done = dict.fromkeys(engines, 0)
         losses: dict[str, list[float]] = {name: [] for name in engines}
         busy = {name: Busy(0.0, 0.0) for name in engines}
+        landing: dict[str, list[float]] = {name: [] for name in engines}
 
         def run(name: str, count: int) -> list[float]:
-            """ms of each of `count` steps of schedule `name`; its CPU time is added to busy[name]."""
+            """ms of each of `count` steps of schedule `name`; its CPU time is added to busy[name].
+
+            A turn ends by landing the delayed update still in flight, so that its Adam does not run into the
+            next schedule's turn. Training lands it only at a checkpoint: its wall time is kept apart
+            (landing), its CPU time counts (that Adam is the last step's work), its wait does not."""
             engine, ms, cpu = engines[name], [], cpu_seconds()
             for _ in range(count):
                 start = time.perf_counter()
@@ -132,15 +139,17 @@ def compare_schedules(
                 losses[name].append(float(loss.detach()))
                 done[name] += 1
                 ms.append((time.perf_counter() - start) * 1000)
-            start = time.perf_counter()
-            engine.synchronize()  # the delayed update in flight is part of this turn's time, not the next's
-            ms[-1] += (time.perf_counter() - start) * 1000
-            busy[name] = busy[name] + Busy.since(cpu)
+            start, blocked = time.perf_counter(), seconds_blocked()
+            engine.synchronize()
+            landing[name].append((time.perf_counter() - start) * 1000)
+            turn = Busy.since(cpu)
+            busy[name] = busy[name] + replace(turn, waited=turn.waited - (seconds_blocked() - blocked))
             return ms
 
         for name in engines:
             run(name, 3)  # warm-up: first-touch faults, the C build, the delayed update's warm-up steps
         busy = {name: Busy(0.0, 0.0) for name in engines}
+        landing = {name: [] for name in engines}
         times: dict[str, list[float]] = {name: [] for name in engines}
         by_round: list[dict[str, float]] = []  # each round's median ms per schedule
         order = list(engines)
@@ -169,7 +178,12 @@ def compare_schedules(
     ms = {name: statistics.median(values) for name, values in times.items()}
     counted = rounds * steps  # the steps whose CPU time `busy` holds
     busy_ms = {
-        name: {"device": b.device * 1e3 / counted, "host": b.host * 1e3 / counted} for name, b in busy.items()
+        name: {
+            "device": b.device * 1e3 / counted,
+            "host": b.host * 1e3 / counted,
+            "waited": b.waited * 1e3 / counted,
+        }
+        for name, b in busy.items()
     }
     sides = (len(pinned[0]), len(pinned[1])) if pinned else (len(os.sched_getaffinity(0)), None)
     bound_ms = {name: b.bound(*sides) * 1e3 / counted for name, b in busy.items()}
@@ -187,8 +201,15 @@ def compare_schedules(
         "slots": slots,
         "variant": variant,
         "median_ms": ms,
+        # The mean over the same steps as busy_ms: mean - busy device - waited is what the GIL and the scheduler
+        # took from the device's thread (the median can fall below the mean busy time). landing_ms: what each
+        # turn's closing synchronize() took, outside the steps (a delayed update's last Adam, else nothing).
+        "mean_ms": {name: statistics.fmean(values) for name, values in times.items()},
+        "landing_ms": {name: statistics.median(values) for name, values in landing.items()},
         "per_round_ms": by_round,
-        "busy_ms": busy_ms,  # CPU ms per step of the device's thread and of the host's (practice/busy.py)
+        # CPU ms per step of the device's thread and of the host's, and ms the device's thread was blocked on
+        # events (practice/busy.py); a step's wall time minus both is what it lost to the GIL and the scheduler.
+        "busy_ms": busy_ms,
         "bound_ms": bound_ms,  # the shortest step that work allows: max of the sides' busy time per core
         "of_bound": {name: ms[name] / bound_ms[name] for name in ms},  # wall time / bound (1.0: at the bound)
         "overlapped_vs_serial": paired("serial", "overlapped"),
