@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from zero_offload.bench_training import print_schedules
 from zero_offload.practice.busy import Busy, cpu_seconds
 from zero_offload.practice.schedules import compare_schedules
 from zero_offload.streams import WorkerStream, seconds_blocked
@@ -60,7 +61,7 @@ def test_the_bound_is_the_busier_side_or_the_shared_cores_work():
     assert (Busy(1.0, 2.0, 0.5) + Busy(0.5, 0.25, 0.25)).waited == 0.75
 
 
-def test_compare_schedules_reports_busy_times_and_the_bound(tmp_path):
+def test_compare_schedules_reports_busy_times_and_the_bound(tmp_path, capsys):
     r = compare_schedules("nano", seq_len=8, steps=2, rounds=1, cores="shared", out_dir=tmp_path)
     for name, wall in r["median_ms"].items():
         busy, bound = r["busy_ms"][name], r["bound_ms"][name]
@@ -69,5 +70,8 @@ def test_compare_schedules_reports_busy_times_and_the_bound(tmp_path):
         assert r["of_bound"][name] == pytest.approx(wall / bound)
         assert r["mean_ms"][name] > 0 and r["landing_ms"][name] >= 0
     assert (tmp_path / "step_shared.png").stat().st_size > 10_000
+    print_schedules("nano, shared", r)  # what make bench prints from it
+    printed = capsys.readouterr().out
+    assert printed.count("device waited") == 3 and "DPU/overlapped" in printed
     trace = tmp_path / "timeline_delayed_shared.json"
     assert trace.stat().st_size > 0
