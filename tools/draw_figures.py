@@ -4,7 +4,7 @@
 
 - zero-stages.png:       what each of 4 GPUs holds of the model states at ZeRO stages 0-3 and at stage 2 with
                          the optimizer offloaded to the CPU, with bytes per parameter from basics/memory.py;
-- offload-dataflow.png:  one ZeRO-Offload step as a data-flow graph (Ren et al., 2021, section 4): which node runs
+- offload-dataflow.png:  one ZeRO-Offload step as a data-flow graph (Ren et al., 2021, section 3): which node runs
                          where and how many bytes cross PCIe;
 - pipeline-schedule.png: Gantt charts of the serial step, the overlapped pipeline and the delayed parameter
                          update on 4 units (illustrative durations, not measured).
@@ -258,7 +258,7 @@ def draw_offload_dataflow(path: Path) -> Path:
     ax.text(
         width / 2,
         height - 0.25,
-        "One ZeRO-Offload step as a data-flow graph (after Ren et al., 2021, section 4)",
+        "One ZeRO-Offload step as a data-flow graph (after Ren et al., 2021, section 3)",
         ha="center",
         va="center",
         fontsize=11,
@@ -284,7 +284,7 @@ def draw_offload_dataflow(path: Path) -> Path:
 
     # GPU: the parameters feed forward and backward.
     _arrow(ax, (params16[0] + 0.88, gpu_row), (fwd_bwd[0] - 0.88, gpu_row), GPU)
-    _edge_label(ax, (params16[0] + fwd_bwd[0]) / 2, gpu_row + 0.2, "read 2M")
+    _edge_label(ax, (params16[0] + fwd_bwd[0]) / 2, gpu_row + 0.2, "read 2M in forward + 2M in backward")
     # Down the link: the gradients backward produces.
     _arrow(ax, (fwd_bwd[0] + 0.2, gpu_row - 0.34), (grads16[0] - 0.05, cpu_row + 0.34), LINK, width=2.4)
     _edge_label(ax, 9.2, boundary, "2M down (D2H)", color=LINK, weight="bold")
