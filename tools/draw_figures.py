@@ -108,17 +108,18 @@ def _sharded_bar(
         )
 
 
+def _title(ax, width: float, height: float, text: str) -> None:
+    ax.text(width / 2, height - 0.25, text, ha="center", va="center", fontsize=11, weight="bold")
+
+
 def draw_zero_stages(path: Path) -> Path:
     width, height = 10.0, 6.5
     fig, ax = _canvas(width, height)
-    ax.text(
-        width / 2,
-        height - 0.25,
+    _title(
+        ax,
+        width,
+        height,
         f"What each of N = {N} GPUs holds of the model states (mixed-precision Adam), in bytes per parameter",
-        ha="center",
-        va="center",
-        fontsize=11,
-        weight="bold",
     )
     cell_x0, cell_w, cell_gap = 3.0, 1.05, 0.2
     bar_w, bar_h, bar_gap = 0.84, 0.17, 0.09
@@ -255,14 +256,8 @@ def _edge_label(ax, x: float, y: float, text: str, color: str = INK, **kwargs) -
 def draw_offload_dataflow(path: Path) -> Path:
     width, height = 10.0, 5.0
     fig, ax = _canvas(width, height)
-    ax.text(
-        width / 2,
-        height - 0.25,
-        "One ZeRO-Offload step as a data-flow graph (after Ren et al., 2021, section 3)",
-        ha="center",
-        va="center",
-        fontsize=11,
-        weight="bold",
+    _title(
+        ax, width, height, "One ZeRO-Offload step as a data-flow graph (after Ren et al., 2021, section 3)"
     )
     gpu_y0, gpu_y1, cpu_y0, cpu_y1, boundary = 2.85, 4.5, 0.75, 2.45, 2.65
     ax.add_patch(Rectangle((0.15, gpu_y0), width - 0.3, gpu_y1 - gpu_y0, facecolor=GPU, alpha=0.08, lw=0))
