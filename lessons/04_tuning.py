@@ -55,7 +55,7 @@ from zero_offload import bench, plots
 from zero_offload.accelerator import EmulatedAccelerator
 from zero_offload.basics import estimate_model_states
 from zero_offload.cli import main as zo_cli
-from zero_offload.tuning import adam_update, advisor, bandwidth, build, perfmodel
+from zero_offload.tuning import adam_update, advisor, bandwidth, build, parallel, perfmodel, plan_report
 from zero_offload.tuning.cpu_adam import memory_floor, supported_variants
 from zero_offload.units import format_bytes, format_gb
 from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss, load_corpus
@@ -789,11 +789,13 @@ show(fig, "partial_offload.png")
 # | GPU 计算 | 6 · P · tokens FLOPs ÷ (峰值 TFLOP/s × MFU)；有激活重计算时是 8 · P · tokens |
 # | GPU 上的 Adam | 留在设备上的参数 × 28 字节 ÷ HBM 带宽 |
 # | GPU 之间 | reduce-scatter + all-gather ≈ 2 (N−1)/N · P 个 16 位数；stage 3 是 3 (N−1)/N |
-# | PCIe | 卸载的参数 × (2 + 2) 字节 ÷ 链路带宽；`offload_param` 每次聚合都要上行 |
-# | CPU Adam | 调用次数 × 每次调用的固定开销 + 主机上的参数 ÷ CPU Adam 的吞吐 |
+# | PCIe | 下行：卸载的参数 × 2 字节的梯度 ÷ 单向带宽；上行：× 2 字节的权重 ÷ 单向带宽（`offload_param` 每次聚合都要上行）。PCIe 是全双工的，两个方向各有一个拷贝引擎 |
+# | CPU Adam | 调用次数 × 每次调用的固定开销 + 主机上的参数 ÷ 这个 rank 的吞吐（它只用自己那个插槽的内存带宽，NUMA） |
 #
-# 串行（serial）时一步是它们的和，这是本引擎到第 4 模块为止的样子；完全重叠（overlapped）时一步是最忙的那一个（第 5 模块的目标）。
-# 真实的一步在两者之间。先看 13B 模型放进一张 80 GB 的 A100（`a100-80g` 预设，单卡）：
+# 串行（serial）时一步是它们的和，这是本引擎到第 4 模块为止的样子：梯度先下行，CPU 做完 Adam，权重才上行，两个方向不会同时忙，
+# PCIe 算 (下行 + 上行) ÷ 带宽。完全重叠（overlapped）时一步是最忙的那一个（第 5 模块的目标）：这一步的梯度在反向里下行，
+# 同时上一步的权重在上行，两个方向一起走，PCIe 只算 max(下行, 上行) ÷ 带宽。真实的一步在两者之间。
+# 先看 13B 模型放进一张 80 GB 的 A100（`a100-80g` 预设，单卡；主机有两个插槽，这个 rank 只用其中一个的内存带宽）：
 
 # %%
 zo_cli(["plan", "--params", "13B", "--gpus", "1", "--stage", "2", "--offload", "optimizer"])
@@ -818,12 +820,18 @@ print(f"  host:   fp32 gradients, master, m, v {format_gb(p13.states.host)} ({p1
       f"+ fp16 staging {format_gb(p13.staging)} ({p13.staging / P13:.0f} B/param) = {format_gb(p13.host_bytes)}"
       f" ({p13.host_bytes / P13:.0f} B/param)")
 t = p13.time
-print(f"\npredicted step: compute {t.compute:.2f} s, PCIe {t.pcie:.2f} s, CPU Adam {t.cpu_adam:.2f} s, "
-      f"GPU Adam {t.gpu_adam:.3f} s -> serial {t.serial:.2f} s, overlapped {t.overlapped:.2f} s "
-      f"(bottleneck: {t.bottleneck})")
+print(f"\npredicted step: compute {t.compute:.2f} s, PCIe down {t.pcie_down:.2f} s + up {t.pcie_up:.2f} s, "
+      f"CPU Adam {t.cpu_adam:.2f} s, GPU Adam {t.gpu_adam:.3f} s -> serial {t.serial:.2f} s, overlapped "
+      f"{t.overlapped:.2f} s (bottleneck: {t.bottleneck}; PCIe overlapped: max(down, up) = {t.pcie_duplex:.2f} s)")
+spread = replace(one_gpu, numa_spread=True, cpu_adam_threads=13)  # the rank's threads and memory on both sockets
+ts = perfmodel.plan(spread, wl13, 2, "optimizer").time
+print(f"CPU Adam on one socket of two: {one_gpu.cpu_adam_rank_share() / 1e9:.2f} Gparam/s; spread over both: "
+      f"{spread.cpu_adam_rank_share() / 1e9:.2f} Gparam/s, CPU Adam {ts.cpu_adam:.2f} s, overlapped {ts.overlapped:.2f} s "
+      f"(bottleneck: {ts.bottleneck})")
 
 # %% [markdown]
-# 一个微批次只有 1 × 1024 个 token 时，GPU 只算 0.6 秒左右，而 PCIe 要搬 52 GB、CPU 要更新 130 亿个参数：卸载的固定开销压过了计算。
+# 一个微批次只有 1 × 1024 个 token 时，GPU 只算 0.6 秒左右，而 PCIe 每个方向要搬 26 GB、CPU 要更新 130 亿个参数：卸载的固定开销压过了计算。
+# 两个方向同时走时 PCIe 只要 1 秒出头，瓶颈是 CPU 上的 Adam：一个 rank 只用一个插槽的内存带宽，是整台主机的一半。
 # `zo plan` 因此推荐部分卸载：设备上还放得下 20% 参数的优化器状态，CPU 和 PCIe 都少做 20%。
 #
 # 计算随每步 token 数增长，PCIe 和 CPU Adam 不随它变；链路越快，PCIe 那一段越短。批大了，激活值在 80 GB 里放不下，
@@ -835,13 +843,15 @@ wl13_recompute = replace(wl13, recompute=True)
 for path in advisor.save_plots(one_gpu, wl13_recompute, OUT):
     display(Image(filename=str(path)))
 print("13B, one A100-80GB, stage 2 + offload_optimizer, activation checkpointing, 1024 tokens a sequence:")
-print(f"{'batch':>5}{'fits':>6}{'compute s':>11}{'PCIe s':>8}{'CPU Adam s':>12}{'serial s':>10}{'overlapped s':>14}"
-      f"{'bottleneck':>12}{'offload share of serial':>25}")
+print(f"{'batch':>5}{'fits':>6}{'compute s':>11}{'PCIe down s':>13}{'PCIe up s':>11}{'CPU Adam s':>12}{'serial s':>10}"
+      f"{'overlapped s':>14}{'bottleneck':>12}{'offload share of serial':>25}{'spread: bottleneck':>20}")
 for batch in (1, 2, 4, 8, 16, 32, 64):
     pb = perfmodel.plan(one_gpu, replace(wl13_recompute, batch=batch), 2, "optimizer")
     tb = pb.time
-    print(f"{batch:>5}{'yes' if pb.fits else 'no':>6}{tb.compute:>11.2f}{tb.pcie:>8.2f}{tb.cpu_adam:>12.2f}"
-          f"{tb.serial:>10.2f}{tb.overlapped:>14.2f}{tb.bottleneck:>12}{(tb.pcie + tb.cpu_adam) / tb.serial:>25.0%}")
+    on_both = perfmodel.plan(spread, replace(wl13_recompute, batch=batch), 2, "optimizer").time.bottleneck
+    print(f"{batch:>5}{'yes' if pb.fits else 'no':>6}{tb.compute:>11.2f}{tb.pcie_down:>13.2f}{tb.pcie_up:>11.2f}"
+          f"{tb.cpu_adam:>12.2f}{tb.serial:>10.2f}{tb.overlapped:>14.2f}{tb.bottleneck:>12}"
+          f"{(tb.pcie + tb.cpu_adam) / tb.serial:>25.0%}{on_both:>20}")
 
 # %%
 batches = [1, 2, 4, 8, 16, 32, 64]
@@ -852,7 +862,7 @@ pos = np.arange(len(batches))
 bottom = np.zeros(len(batches))
 for part, color in (("compute", "tab:green"), ("pcie", "tab:orange"), ("cpu_adam", "tab:blue")):
     share = np.array([getattr(t, part) for t in times]) * 1e3 / tokens  # ms per 1,000 tokens
-    ax.bar(pos, share * 1e3, 0.6, bottom=bottom, color=color, label={"pcie": "PCIe (2 + 2 bytes/param)",
+    ax.bar(pos, share * 1e3, 0.6, bottom=bottom, color=color, label={"pcie": "PCIe, down then up (2 + 2 bytes/param)",
            "cpu_adam": "CPU Adam", "compute": "GPU compute (8 P tokens)"}[part])
     bottom += share * 1e3
 ax.plot(pos, [t.overlapped * 1e6 / k for t, k in zip(times, tokens, strict=True)], "k_", markersize=22,
@@ -866,8 +876,9 @@ show(fig, "step_parts_vs_batch.png")
 
 # %% [markdown]
 # 计算随批大小线性增长，PCIe 和 CPU Adam 是每步固定的一笔。批大到计算压过它们之后，完全重叠时卸载的代价是零（瓶颈是 GPU），
-# 串行时它在每步里所占的份额越来越小（最后一列）。批太小时，要么加大批（或梯度累积），要么换更快的链路，
-# 要么用部分卸载让 CPU 和 PCIe 少做一点。
+# 串行时它在每步里所占的份额越来越小（倒数第二列）。最后一列是同一个 rank 把线程和内存铺到两个插槽上时的瓶颈：CPU 那一步短一半，
+# GPU 更早成为瓶颈。批太小时，要么加大批（或梯度累积），要么让 CPU Adam 用上更多内存带宽，要么用部分卸载让 CPU 和 PCIe 少做一点；
+# 链路再快也没用，完全重叠时 PCIe 不是瓶颈。
 #
 # ### 在这台机器上校准，与引擎实测对照
 #
@@ -896,6 +907,17 @@ for ratio, r in partial.items():
 # 校准用的是一样大的张量，训练里的单元却大小不一（层归一化只有几百个参数）；反向刚结束时，有的单元的状态还在缓存里，有的早已不在；
 # 还有同一台机器上其他程序在两个时刻的干扰不同。对"谁是瓶颈"这种判断，这个量级的误差足够了。
 # 在你的机器上运行 `zo plan --preset this-cpu --calibrate --params ...` 得到同样的校准；有 CUDA 时它还会测 PCIe（锁页与可分页）和矩阵乘。
+
+# %% [markdown]
+# ### 卸载在 DP × TP × PP 里的位置（粗略）
+#
+# `zo plan` 最后还打印一张并行布局表（`parallel.py`）：张量并行（TP，在一台主机之内）和流水线并行（PP）先把模型分成 tp × pp 份，
+# ZeRO 再在 dp 个 rank 之间分片；TP 每层要对激活值做 all-reduce，PP 有气泡 (pp−1)/(m+pp−1)，DP 的集合通信跨主机时走主机之间的网络。
+# 每种布局训练同一个全局批次，表里是放得下的配置里串行最快的那个（只考虑全部卸载）。70B、激活重计算，一台 DGX A100（8 卡）和两台（16 卡）：
+
+# %%
+wl70 = perfmodel.Workload(70_000_000_000, batch=1, seq_len=1024, recompute=True)
+print(plan_report.format_layouts(parallel.plan_layouts(A100, wl70)))
 
 # %% [markdown]
 # ## 7. 导言的"常见误区"，逐条变成规则
@@ -942,7 +964,8 @@ show_advice("4. 'Not reserving host memory' -- 13B offloaded to a host with 256 
 # - 卸载后的更新一遍扫描 28 字节，PyTorch 分四遍要 48 字节并且每步新分配一块 fp32 梯度。
 # - 线程数加到内存饱和为止；CPU Adam、PyTorch、数据加载的线程加起来不要超过核数。
 # - 部分卸载按比例把主机的字节、PCIe 流量和 CPU 时间挪回设备，训练结果不变。
-# - 性能模型：计算 6·P·tokens / (TFLOP/s·MFU)，PCIe 每参数 2 + 2 字节，CPU Adam = 主机上的参数 / 吞吐，串行求和、重叠取最大；
+# - 性能模型：计算 6·P·tokens / (TFLOP/s·MFU)，PCIe 下行、上行各 2 字节/参数（全双工：串行相加，重叠取较长的一个方向），
+#   CPU Adam = 主机上的参数 / 这个 rank 的吞吐（只用自己插槽的内存带宽），串行求和、重叠取最大；
 #   13B 单卡：设备 26 GB 的 fp16 权重加激活，主机 16 + 4 字节/参数 = 260 GB。
 #
 # ## 接下来：实验 4
@@ -962,6 +985,6 @@ show_advice("4. 'Not reserving host memory' -- 13B offloaded to a host with 256 
 #
 # 1. 把第 1 节的尺寸扫描改成 2 个线程。缓存里的 GB/s 和 DRAM 里的 GB/s 各变了多少？为什么一个变得多、一个变得少？
 # 2. bf16 梯度进、bf16 权重出的一遍扫描是多少字节/参数？用 `adam_update(..., grad=bf16, out=bf16)` 测一下，和 fp16 的比。
-# 3. 在第 6 节的 13B 单卡场景里，链路带宽要到多少 GB/s，批大小 8 时 PCIe 才不再是瓶颈？先用公式算，再用 `zo plan --link` 验证。
+# 3. 在第 6 节的 13B 单卡场景里，链路带宽降到多少 GB/s 时，批 1 完全重叠的一步里 PCIe 才成为瓶颈？先用公式算，再用 `zo plan --link` 验证。
 # 4. 你的机器有多少核、多少内存通道？运行 `zo plan --preset this-cpu --calibrate --params 1B`，再把 `--threads` 从 1 加到核数，
 #    CPU Adam 的吞吐在第几个线程饱和？

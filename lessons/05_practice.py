@@ -388,12 +388,12 @@ draw_steps(zoom_shared, f"TinyGPT('{S_MODEL}'), batch 1 x {S_SEQ}, shared cores:
 # %%
 A100 = replace(perfmodel.PRESETS["a100-80g"], gpus=1)
 print("13B, one A100-80GB, stage 2 + offload_optimizer, activation checkpointing, 1024 tokens a sequence (model, not measured)\n")
-print(f"{'batch':>5}{'GPU s':>8}{'PCIe s':>8}{'CPU Adam s':>12}{'serial s':>10}{'overlapped s':>14}{'serial / overlapped':>21}"
-      f"{'bottleneck':>12}")
+print(f"{'batch':>5}{'GPU s':>8}{'PCIe down s':>13}{'PCIe up s':>11}{'CPU Adam s':>12}{'serial s':>10}{'overlapped s':>14}"
+      f"{'serial / overlapped':>21}{'bottleneck':>12}")
 for batch in (1, 2, 4, 8, 16, 64):
     t = perfmodel.plan(A100, perfmodel.Workload(13_000_000_000, batch=batch, recompute=True), 2, "optimizer").time
-    print(f"{batch:>5}{t.compute:>8.2f}{t.pcie:>8.2f}{t.cpu_adam:>12.2f}{t.serial:>10.2f}{t.overlapped:>14.2f}"
-          f"{t.serial / t.overlapped:>20.2f}x{t.bottleneck:>12}")
+    print(f"{batch:>5}{t.compute:>8.2f}{t.pcie_down:>13.2f}{t.pcie_up:>11.2f}{t.cpu_adam:>12.2f}{t.serial:>10.2f}"
+          f"{t.overlapped:>14.2f}{t.serial / t.overlapped:>20.2f}x{t.bottleneck:>12}")
 
 # %% [markdown]
 # 真机上 PCIe 与 CPU Adam 是秒级的，与 GPU 计算同一个量级，重叠能把一步缩短一半以上；批小时（1、2）PCIe 或 CPU 是瓶颈，

@@ -113,8 +113,37 @@ def test_compute_is_6_flops_per_parameter_and_token():
     )
 
 
+def test_pcie_is_full_duplex_serial_adds_the_directions_and_overlapped_takes_the_longer():
+    # 1B parameters, one GPU, 10 GB/s a direction: 2 GB of fp16 gradients down and 2 GB of weights up.
+    hw = replace(ONE_A100, link_gb_per_s=10)
+    t = plan(hw, Workload(B), 2, "optimizer").time
+    assert (t.pcie_down, t.pcie_up) == (pytest.approx(0.2), pytest.approx(0.2))
+    assert t.pcie == pytest.approx(0.4) and t.pcie_duplex == pytest.approx(0.2)
+    assert t.serial == pytest.approx(t.compute + t.gpu_adam + t.comm + 0.4 + t.cpu_adam)
+    assert t.busy()["PCIe"] == pytest.approx(0.2)  # both directions at once, not 0.4
+    # offload_param: the weights go up for forward and backward (4 GB), the gradients down once (2 GB).
+    param = plan(hw, Workload(B), 3, "optimizer+param").time
+    assert (param.pcie_down, param.pcie_up, param.pcie_duplex) == pytest.approx((0.2, 0.4, 0.4))
+    # A fast CPU and a slow link: the overlapped step is the longer direction, not the sum.
+    fast_cpu = replace(hw, cpu_adam_params_per_s=1e13, cpu_adam_thread_params_per_s=1e13, link_gb_per_s=1)
+    slow = plan(fast_cpu, Workload(B), 2, "optimizer").time
+    assert slow.bottleneck == "PCIe" and slow.overlapped == pytest.approx(2.0)
+
+
+def test_13b_on_one_a100_is_cpu_bound_at_batch_1_and_gpu_bound_once_compute_passes_the_cpu_step():
+    def at(batch, hw=ONE_A100):
+        return plan(hw, Workload(13 * B, batch=batch, recompute=True), 2, "optimizer").time
+
+    # PCIe: 26 GB each way at 25 GB/s = 1.04 s, shorter than the CPU step: never the bottleneck here.
+    assert at(1).pcie_duplex == pytest.approx(1.04) and at(1).pcie == pytest.approx(2.08)
+    # One rank on one socket of two: 13e9 / 4.39 Gparam/s = 2.96 s, so the CPU until compute passes it.
+    assert [at(b).bottleneck for b in (1, 2, 3, 4)] == ["CPU Adam", "CPU Adam", "CPU Adam", "GPU"]
+    spread = replace(ONE_A100, numa_spread=True, cpu_adam_threads=13)  # both sockets: 1.49 s
+    assert [at(b, spread).bottleneck for b in (1, 2)] == ["CPU Adam", "GPU"]
+
+
 def test_the_cpu_step_is_calls_plus_parameters_at_the_throughput():
-    hw = replace(ONE_A100, cpu_adam_params_per_s=1e9, cpu_adam_call_seconds=1e-4)
+    hw = replace(ONE_A100, cpu_adam_params_per_s=1e9, cpu_adam_call_seconds=1e-4, sockets=1)
     assert plan(hw, Workload(B, units=50), 2, "optimizer").time.cpu_adam == pytest.approx(50e-4 + 1.0)
     assert plan(hw, Workload(B, units=50), 2, "optimizer", 0.5).time.cpu_adam == pytest.approx(25e-4 + 0.5)
     assert plan(hw, Workload(B), 2).time.cpu_adam == 0
@@ -131,18 +160,20 @@ def test_the_host_throughput_is_shared_by_its_ranks_and_reached_with_enough_thre
     )
     # Threads to recommend: where the rank reaches its share, not every core the rank could have.
     assert a100.cpu_adam_saturating_threads() == 2  # ceil(1.10 / 0.714)
-    assert ONE_A100.cpu_adam_saturating_threads() == 13  # one rank has the whole host: ceil(8.78 / 0.714)
-    assert replace(ONE_A100, cpu_cores=8).cpu_adam_saturating_threads() == 8  # never more than the cores
+    assert ONE_A100.cpu_adam_saturating_threads() == 7  # one rank has one socket of two: ceil(4.39 / 0.714)
+    assert replace(ONE_A100, cpu_cores=6).cpu_adam_saturating_threads() == 6  # never more than the cores
     for hw in (a100, ONE_A100):
         threads = hw.cpu_adam_saturating_threads()
-        assert hw.cpu_adam_rank_params_per_s(threads) == pytest.approx(hw.cpu_adam_params_per_s / hw.gpus)
+        assert hw.cpu_adam_rank_params_per_s(threads) == pytest.approx(
+            hw.cpu_adam_params_per_s / hw.sockets / (hw.gpus // hw.sockets or 1)
+        )
         assert hw.cpu_adam_rank_params_per_s(threads - 1) < hw.cpu_adam_rank_params_per_s(threads)
     rec = recommend(ONE_A100, THIRTEEN_B)
-    assert rec.config["zero_offload"]["cpu_adam"]["threads"] == 13
+    assert rec.config["zero_offload"]["cpu_adam"]["threads"] == 7
     assert any(
-        r.startswith("CPU Adam threads: 13 per rank") and "more would add nothing" in r for r in rec.reasons
+        r.startswith("CPU Adam threads: 7 per rank") and "more would add nothing" in r for r in rec.reasons
     )
-    assert "a rank with 16 thread(s) reaches 8.78" in describe(ONE_A100, THIRTEEN_B)
+    assert "a rank with 16 thread(s) reaches 4.39" in describe(ONE_A100, THIRTEEN_B)
 
 
 def test_step_time_grows_with_parameters_and_falls_with_link_bandwidth():
@@ -187,10 +218,10 @@ def test_cpu_step_dominates_fires_only_when_the_cpu_is_slower_than_compute():
     fast = replace(ONE_A100, cpu_adam_params_per_s=1e12, cpu_adam_thread_params_per_s=1e11)
     assert "cpu-step-dominates" in _rules(slow, Workload(B), 2, "optimizer")
     assert "cpu-step-dominates" not in _rules(fast, Workload(B), 2, "optimizer")
-    # Too few threads: the advice names the saturation point (13 here), not cores / GPUs (128).
+    # Too few threads: the advice names the saturation point (7 here: one socket), not cores / GPUs (128).
     few_threads = replace(ONE_A100, cpu_adam_threads=2)
     message = _rules(few_threads, THIRTEEN_B, 2, "optimizer")["cpu-step-dominates"].message
-    assert "give the CPU Adam 13 threads a rank (2 now: 1.43 against 8.78 Gparam/s)" in message
+    assert "give the CPU Adam 7 threads a rank (2 now: 1.43 against 4.39 Gparam/s)" in message
     assert "threads a rank" not in _rules(ONE_A100, THIRTEEN_B, 2, "optimizer")["cpu-step-dominates"].message
 
 
@@ -250,7 +281,7 @@ MiB = 2**20
 # A calibrated-looking host: 1 Gparam/s from memory, 4 from the cache, which keeps 64 MiB of states.
 CACHED = replace(ONE_A100, cpu_adam_params_per_s=1e9, cpu_adam_thread_params_per_s=1e9, cpu_adam_threads=1,
                  cpu_adam_call_seconds=2e-5, cpu_adam_step_seconds=3e-4, cpu_adam_cached_params_per_s=4e9,
-                 cpu_adam_cache_bytes=64 * MiB)  # fmt: skip
+                 cpu_adam_cache_bytes=64 * MiB, sockets=1)  # fmt: skip
 
 
 def test_the_cpu_step_counts_its_start_its_calls_and_its_parameters():

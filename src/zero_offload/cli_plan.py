@@ -16,7 +16,8 @@ def run_plan(args) -> int:
 
     from .tuning import perfmodel
     from .tuning.advisor import advise, recommend
-    from .tuning.plan_report import describe, format_plans, format_recommendation, save_plots
+    from .tuning.parallel import plan_layouts
+    from .tuning.plan_report import describe, format_layouts, format_plans, format_recommendation, save_plots
 
     at_least_one = {
         "gpus": args.gpus,
@@ -70,6 +71,7 @@ def run_plan(args) -> int:
     )
     plans = perfmodel.plan_all(hw, wl)
     print(describe(hw, wl), format_plans(plans), format_recommendation(recommend(hw, wl)), sep="\n\n")
+    print(f"\n{format_layouts(plan_layouts(hw, wl))}")
     if args.stage is not None:  # the user's own choice, checked against the rules
         try:
             mine = perfmodel.plan(hw, wl, args.stage, args.offload)

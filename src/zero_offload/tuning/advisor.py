@@ -120,6 +120,10 @@ def advise(hw: Hardware, wl: Workload, chosen: Plan, plans: list[Plan]) -> list[
                     f"{other.time.pcie:.3g} s)"
                 )
             advice.append(Advice("warning" if chosen.offload != "none" else "info", "stage3-traffic", why))
+    if offloads and hw.sockets > 1:  # NUMA: each rank's CPU Adam on its own socket's cores and memory
+        advice.append(
+            Advice("info", "numa", numa_message(hw, t.cpu_adam, chosen.ratio * wl.params / hw.gpus))
+        )
     if offloads:  # mistake 4: not reserving host memory
         per_param = chosen.host_bytes / wl.params
         of_states = hw.gpus * chosen.states.host / wl.params
@@ -132,6 +136,32 @@ def advise(hw: Hardware, wl: Workload, chosen: Plan, plans: list[Plan]) -> list[
             Advice("info" if chosen.host_bytes <= chosen.host_usable else "error", "host-memory", why)
         )
     return advice
+
+
+def numa_message(hw: Hardware, cpu_seconds: float, params_on_host: float) -> str:
+    """What the host's sockets mean for the CPU Adam, and how to launch for it."""
+    socket_gb = hw.host_memory_gb_per_s / hw.sockets
+    text = (
+        f"the host has {hw.sockets} sockets of {socket_gb:.3g} GB/s of memory each; the model gives each rank "
+        f"its own socket's share ({hw.ranks_per_socket} rank(s) a socket, "
+        f"{hw.cpu_adam_rank_share() / 1e9:.3g} Gparam/s each): launch with `deepspeed --bind_cores_to_rank`, "
+        "which gives each rank its own cores and, where they lie on one socket, that socket's memory"
+    )
+    if hw.gpus < hw.sockets and not hw.numa_spread:
+        spread = replace(hw, numa_spread=True)
+        threads = max(hw.cpu_adam_threads, spread.cpu_adam_saturating_threads())
+        spread = replace(spread, cpu_adam_threads=threads)
+        saved = params_on_host * (
+            1 / hw.cpu_adam_rank_params_per_s() - 1 / spread.cpu_adam_rank_params_per_s()
+        )
+        text += (
+            f"; a rank alone on {hw.sockets} sockets gets one socket's {hw.cpu_adam_rank_share() / 1e9:.3g}: with "
+            f"{threads} threads over every socket and its memory interleaved (numactl --interleave=all) it "
+            f"reaches up to {spread.cpu_adam_rank_params_per_s() / 1e9:.3g}, half its traffic crossing the "
+            f"inter-socket link, and the CPU step of {cpu_seconds:.3g} s would take about "
+            f"{max(0.0, cpu_seconds - saved):.3g} s"
+        )
+    return text
 
 
 def smallest_ratio(hw: Hardware, wl: Workload, stage: int) -> float | None:
@@ -212,7 +242,7 @@ def recommend(hw: Hardware, wl: Workload) -> Recommendation:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         threads = hw.cpu_adam_threads
         config["zero_offload"] = {"cpu_adam": {"impl": "simd", "threads": threads}}
-        share = hw.cpu_adam_params_per_s / hw.gpus
+        share = hw.cpu_adam_rank_share()
         reach = (
             "which they reach; more would add nothing"
             if hw.cpu_adam_rank_params_per_s() >= share * (1 - 1e-9)
@@ -221,8 +251,8 @@ def recommend(hw: Hardware, wl: Workload) -> Recommendation:
         reasons.append(
             f"CPU Adam threads: {threads} per rank: one thread updates "
             f"{hw.cpu_adam_thread_params_per_s / 1e9:.3g} Gparam/s, a rank's share of the host's "
-            f"{hw.cpu_adam_params_per_s / 1e9:.3g} is {share / 1e9:.3g} ({hw.gpus} rank(s), "
-            f"{hw.cores_per_rank} cores each), {reach}"
+            f"{hw.cpu_adam_params_per_s / 1e9:.3g} is {share / 1e9:.3g} ({hw.gpus} rank(s) on {hw.sockets} "
+            f"socket(s), {hw.cores_per_rank} cores each), {reach}"
         )
     if wl.recompute:
         config["activation_checkpointing"] = {}

@@ -7,9 +7,18 @@ host share its memory channels. Two numbers describe it:
   cpu_adam_thread_params_per_s  what one thread reaches alone (a core can keep only so many cache misses in
                                 flight, so one core cannot draw the whole host's bandwidth).
 
-A rank whose CPU Adam runs T threads updates min(T x one thread, host / ranks) parameters a second: threads
-add throughput until the rank has its share of the memory bandwidth, and nothing after. The thread count to
+A rank whose CPU Adam runs T threads updates min(T x one thread, its share) parameters a second, its share
+being the host's throughput / ranks when the host has one socket (NUMA below): threads add throughput until
+the rank has its share of the memory bandwidth, and nothing after. The thread count to
 recommend is that saturation point, never more than the cores per rank.
+
+NUMA: a host has `sockets`, each with its own memory channels (host_memory_gb_per_s / sockets) and its
+share of the host's throughput. The ranks are spread evenly over the sockets, each bound to its own socket's
+cores and memory (what `deepspeed --bind_cores_to_rank` arranges), so a rank draws on its own socket only,
+shared with the other ranks there. A rank alone on several sockets gets one socket's share too, unless its
+threads and memory are spread over them (numa_spread: numactl --interleave=all); then half its traffic (two
+sockets) crosses the inter-socket link, which caps it at 4 x that link's bandwidth per direction, at the same
+60% efficiency as the memory estimate. calibrate() measures what one process reaches and calls it one socket.
 
 Both are for states that come from memory, as a model worth offloading has them. Small states stay in the
 last-level cache from one step to the next and update faster: calibrate() also measures that speed
@@ -58,23 +67,49 @@ class Hardware:
     pageable_link_gb_per_s: float | None = None  # measured by calibrate() on a CUDA host
     link_kind: str = "PCIe"  # what link_gb_per_s is: "host memcpy" for the emulated device
     mfu: float = 0.4  # model FLOPs utilization: the share of peak a training step reaches (30-50% is usual)
+    sockets: int = 1  # NUMA nodes, each with host_memory_gb_per_s / sockets of the memory bandwidth
+    socket_link_gb_per_s: float | None = None  # between two sockets, per direction (QPI/UPI/xGMI), nominal
+    numa_spread: bool = False  # a rank alone on several sockets spreads its threads and memory over them
+    nodes: int = 1  # hosts like this one in the job; the layouts (parallel.py) span them
+    inter_node_gb_per_s: float | None = None  # between hosts, per GPU and direction (InfiniBand/RoCE)
     notes: str = ""
 
+    @property
+    def ranks_per_socket(self) -> int:
+        return max(1, math.ceil(self.gpus / self.sockets))
+
+    def sockets_per_rank(self) -> int:
+        """1, unless a rank is alone on several sockets and spreads over them (numa_spread)."""
+        return self.sockets // self.gpus if self.numa_spread and self.gpus < self.sockets else 1
+
+    def cpu_adam_rank_share(self) -> float:
+        """One rank's share of the memory-bound throughput: its socket's, divided among the ranks there;
+        a spread rank's sockets together, at most what the inter-socket link lets cross (module docstring)."""
+        socket = self.cpu_adam_params_per_s / self.sockets
+        spanned = self.sockets_per_rank()
+        if spanned == 1:
+            return socket / self.ranks_per_socket
+        share = spanned * socket
+        if self.socket_link_gb_per_s:  # interleaved: (k-1)/k of the traffic crosses, over k directions
+            crossing = _cpu_adam_rate(self.socket_link_gb_per_s) * spanned * spanned / (spanned - 1)
+            share = min(share, crossing)
+        return share
+
     def cpu_adam_rank_params_per_s(self, threads: int | None = None) -> float:
-        """One rank's CPU Adam throughput: its threads' own speed, at most its share of the host's."""
+        """One rank's CPU Adam throughput: its threads' own speed, at most its share of its socket's."""
         threads = threads or self.cpu_adam_threads
-        return min(threads * self.cpu_adam_thread_params_per_s, self.cpu_adam_params_per_s / self.gpus)
+        return min(threads * self.cpu_adam_thread_params_per_s, self.cpu_adam_rank_share())
 
     @property
     def cores_per_rank(self) -> int:
         return max(1, self.cpu_cores // self.gpus)
 
     def cpu_adam_saturating_threads(self) -> int:
-        """The fewest threads a rank needs for its share of the host's throughput; more add nothing.
+        """The fewest threads a rank needs for its share of its socket's throughput; more add nothing.
 
         At most the cores per rank (where even they fall short, the rank gets all of them).
         """
-        share = self.cpu_adam_params_per_s / self.gpus
+        share = self.cpu_adam_rank_share()
         needed = math.ceil(share / self.cpu_adam_thread_params_per_s - 1e-9)
         return max(1, min(self.cores_per_rank, needed))
 
@@ -92,6 +127,10 @@ def _cpu_adam_rate(dram_gb_per_s: float, efficiency: float = 0.6) -> float:
 # NVLink is about 80% of its nominal bandwidth per direction (150 / 300 / 450 GB/s), as NCCL reaches it.
 # One thread's rate is one core's DRAM bandwidth (about what single-thread STREAM reaches on these CPUs:
 # 10 GB/s Broadwell, 20 GB/s Rome, 15 GB/s Sapphire Rapids) over 28 bytes a parameter.
+# Two sockets each; the inter-socket links are nominal per direction: 2 QPI at 9.6 GT/s (2 x 19.2 GB/s),
+# 4 xGMI-2 x16 at 18 GT/s (4 x 36), 4 UPI 2.0 at 16 GT/s (4 x 32). Between hosts: the compute NICs per GPU,
+# at about 80% of nominal: DGX-1 4 x 100 Gb/s EDR for 8 GPUs, DGX A100 one 200 Gb/s HDR, DGX H200 one
+# 400 Gb/s NDR per GPU. The presets are one host (nodes=1); the layouts table also tries two.
 PRESETS = {
     "v100-32g": Hardware(
         "v100-32g", gpus=8, gpu_memory=32 * GiB, gpu_tflops=125, gpu_memory_gb_per_s=900,
@@ -99,6 +138,7 @@ PRESETS = {
         host_memory_gb_per_s=153.6,  # 2 x Xeon E5-2698 v4, 4 channels DDR4-2400 each
         cpu_cores=40, cpu_adam_params_per_s=_cpu_adam_rate(153.6),
         cpu_adam_thread_params_per_s=_cpu_adam_rate(10, 1.0), cpu_adam_threads=5,
+        sockets=2, socket_link_gb_per_s=38.4, inter_node_gb_per_s=5,
         notes="DGX-1: 8 x V100-SXM2-32GB, PCIe 3",
     ),
     "a100-80g": Hardware(
@@ -107,6 +147,7 @@ PRESETS = {
         host_memory_gb_per_s=409.6,  # 2 x EPYC 7742, 8 channels DDR4-3200 each
         cpu_cores=128, cpu_adam_params_per_s=_cpu_adam_rate(409.6),
         cpu_adam_thread_params_per_s=_cpu_adam_rate(20, 1.0), cpu_adam_threads=16,
+        sockets=2, socket_link_gb_per_s=144, inter_node_gb_per_s=20,
         notes="DGX A100: 8 x A100-SXM4-80GB, PCIe 4",
     ),
     "h200": Hardware(
@@ -115,6 +156,7 @@ PRESETS = {
         host_memory_gb_per_s=614.4,  # 2 x Xeon Platinum 8480C, 8 channels DDR5-4800 each
         cpu_cores=112, cpu_adam_params_per_s=_cpu_adam_rate(614.4),
         cpu_adam_thread_params_per_s=_cpu_adam_rate(15, 1.0), cpu_adam_threads=14,
+        sockets=2, socket_link_gb_per_s=128, inter_node_gb_per_s=40,
         notes="DGX H200: 8 x H200 141GB, PCIe 5",
     ),
 }  # fmt: skip
@@ -181,6 +223,8 @@ def calibrate(
         cpu_adam_step_seconds=own.step_seconds,
         cpu_adam_cached_params_per_s=cache.cached_params_per_s if cache else None,
         cpu_adam_cache_bytes=cache.cache_bytes if cache else 0,
+        sockets=1,  # what one process reached: its threads and memory wherever the OS put them
+        numa_spread=False,
     )
     if torch.cuda.is_available():
         link = probe.device_link_bandwidth(repeats=repeats)

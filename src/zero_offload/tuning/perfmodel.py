@@ -8,19 +8,25 @@ For a model of P parameters on a host with N GPUs (one rank each, shard = P / N)
              (read weight, gradient, m, v; write weight, m, v, all fp32), at the HBM bandwidth.
   comm       GPU-to-GPU (NVLink): reduce-scatter + all-gather, 2 (N-1)/N * P 16-bit values a step (as one
              all-reduce); stage 3 gathers the weights twice (forward and backward): 3 (N-1)/N.
-  PCIe       offload_optimizer: the rank's fp16 gradients down and fp16 weights up, 2 + 2 bytes a parameter
-             of its shard; offload_param: the weights go up for every gather (2 + 2) and never come back.
+  PCIe       offload_optimizer: the rank's fp16 gradients down (D2H) and fp16 weights up (H2D), 2 bytes a
+             parameter of its shard each way; offload_param: the weights go up for every gather (2 + 2) and
+             never come back. PCIe is full duplex and link_gb_per_s is per direction: down and up each take
+             their bytes / link_gb_per_s, on their own copy engine.
   CPU Adam   step_seconds + calls * call_seconds + params_on_host * seconds a parameter (a start-up cost
              once a step, one per tensor, then the elements). A parameter whose states come from memory
-             takes 1 / the rank's throughput: its threads' own speed, at most its share of the host's
-             (hardware.py). One whose states are still in the last-level cache from the step before takes
-             1 / the cached speed; the share of them still cached falls linearly from all (tiny states) to
-             none (the host's states as large as the cache_bytes calibrate() measured).
+             takes 1 / the rank's throughput: its threads' own speed, at most its share of its socket's
+             (hardware.py: NUMA). One whose states are still in the last-level cache from the step before
+             takes 1 / the cached speed; the share of them still cached falls linearly from all (tiny states)
+             to none (the host's states as large as the cache_bytes calibrate() measured).
 
-`serial` adds them up (this engine up to module 4). `overlapped` is the busiest resource alone: every copy,
-collective and, with module 5's delayed parameter update, the CPU step hidden behind compute. Real steps
-fall between the two. Memory per tier comes from basics.estimate_model_states, plus activations, working
-buffers and the host's fp16 staging buffers. The hardware (presets, calibration) is hardware.py.
+Two schedules bound a real step. `serial` (this engine up to module 4) adds every part up: the gradients go
+down, then the CPU steps, then the weights go up, so down and up never run at once and PCIe counts
+(down + up) / link. `overlapped` is the busiest resource alone (module 5's pipeline with the delayed
+parameter update): this step's gradients go down during its backward while the weights of the step before
+go up, on the two directions of the link at once, so PCIe counts max(down, up) / link; every copy,
+collective and the CPU step hide behind compute. Memory per tier comes from basics.estimate_model_states,
+plus activations, working buffers and the host's fp16 staging buffers. The hardware (presets, calibration)
+is hardware.py; tensor and pipeline parallelism and several hosts (`layout`) are parallel.py, rough.
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ from dataclasses import dataclass
 from ..basics.memory import ModelStateBytes, estimate_model_states
 from .bandwidth import ENGINE_FORM, STATE_BYTES
 from .hardware import ADAM_BYTES_PER_PARAM, PRESET_NAMES, PRESETS, Hardware, calibrate, hardware_preset
+from .parallel import Layout, activation_factor, bubble_share, dp_link_gb_per_s, model_parallel_seconds
 from .partial import estimate_partial_offload
 
 # The hardware's names are re-exported: `from zero_offload.tuning.perfmodel import PRESETS, calibrate` works.
-__all__ = ["ADAM_BYTES_PER_PARAM", "DEVICE_RESERVE", "HOST_RESERVE", "LOW_BYTES", "OFFLOADS", "PRESETS",
+__all__ = ["ADAM_BYTES_PER_PARAM", "DEVICE_RESERVE", "HOST_RESERVE", "LOW_BYTES", "Layout", "OFFLOADS", "PRESETS",
            "PRESET_NAMES", "Hardware", "Plan", "StepTime", "Workload", "cached_share", "calibrate",
            "cpu_adam_seconds", "hardware_preset", "plan", "plan_all"]  # fmt: skip
 
@@ -87,21 +94,42 @@ class Workload:
 
 @dataclass(frozen=True)
 class StepTime:
-    """Seconds a step keeps each resource busy."""
+    """Seconds a step keeps each resource busy; PCIe in each direction apart (its two directions overlap)."""
 
     compute: float
     gpu_adam: float
     comm: float
-    pcie: float
+    pcie_down: float  # gradients, device to host
+    pcie_up: float  # weights, host to device
     cpu_adam: float
+    model_parallel: float = 0.0  # TP all-reduces and PP sends (parallel.py), on the GPU's critical path
+    bubble: float = 0.0  # the pipeline's idle time (parallel.py)
+
+    @property
+    def pcie(self) -> float:
+        """The copies one after the other, as the serial step runs them."""
+        return self.pcie_down + self.pcie_up
+
+    @property
+    def pcie_duplex(self) -> float:
+        """The copies with both directions of the link at work at once, as the overlapped step runs them."""
+        return max(self.pcie_down, self.pcie_up)
 
     @property
     def serial(self) -> float:
-        return self.compute + self.gpu_adam + self.comm + self.pcie + self.cpu_adam
+        return (
+            self.compute
+            + self.gpu_adam
+            + self.comm
+            + self.pcie
+            + self.cpu_adam
+            + self.model_parallel
+            + self.bubble
+        )
 
     def busy(self) -> dict[str, float]:
-        gpu = self.compute + self.gpu_adam
-        return {"GPU": gpu, "GPU-GPU": self.comm, "PCIe": self.pcie, "CPU Adam": self.cpu_adam}
+        gpu = self.compute + self.gpu_adam + self.model_parallel + self.bubble
+        return {"GPU": gpu, "GPU-GPU": self.comm, "PCIe": self.pcie_duplex, "CPU Adam": self.cpu_adam}
 
     @property
     def overlapped(self) -> float:
@@ -125,11 +153,12 @@ class Plan:
     buffers: int  # gradient buckets (and stage 3's gather buffers) on the device
     staging: int  # one rank's 16-bit host buffers that gradients and weights pass through
     device_bytes: int  # per GPU: states + activations + buffers
-    host_bytes: int  # the whole host: every rank's states and staging
+    host_bytes: int  # one host: its ranks' states and staging
     device_usable: int
     host_usable: int
     pcie_bytes: int  # per rank and step, both directions
     time: StepTime
+    layout: Layout = Layout()
 
     @property
     def fits(self) -> bool:
@@ -162,20 +191,39 @@ def cpu_adam_seconds(hw: Hardware, params_on_host: float, calls: int, precision:
     return hw.cpu_adam_step_seconds + calls * hw.cpu_adam_call_seconds + params_on_host * per_param
 
 
-def _model_states(hw: Hardware, wl: Workload, stage: int, offload: str, ratio: float) -> ModelStateBytes:
+def _model_states(
+    params: int, dp: int, wl: Workload, stage: int, offload: str, ratio: float
+) -> ModelStateBytes:
     if 0 < ratio < 1:  # the engine's partial offload: the device keeps the rest of the optimizer (partial.py)
         return estimate_partial_offload(
-            wl.params, stage=stage, world_size=hw.gpus, precision=wl.precision, host_fraction=ratio
+            params, stage=stage, world_size=dp, precision=wl.precision, host_fraction=ratio
         )
     return estimate_model_states(
-        wl.params, stage=stage, world_size=hw.gpus, precision=wl.precision,
+        params, stage=stage, world_size=dp, precision=wl.precision,
         offload_optimizer="cpu" if ratio > 0 else "none",
         offload_param="cpu" if offload == "optimizer+param" else "none",
     )  # fmt: skip
 
 
-def plan(hw: Hardware, wl: Workload, stage: int, offload: str = "none", ratio: float = 1.0) -> Plan:
-    """Memory per tier, whether it fits, and the step time of one stage x offload choice."""
+def _collectives(stage: int, offloads: bool, micro: int, dp: int) -> float:
+    """16-bit values a step per parameter of the GPU's piece, over the DP ranks: stage 0/1 all-reduce the
+    gradients once; stage 2 or an offload reduce-scatters them every micro-batch and gathers the weights
+    once; stage 3 gathers the weights for each micro-batch's forward and backward too."""
+    ring = (dp - 1) / dp
+    if stage == 3:
+        return 3 * micro * ring
+    return (micro + 1) * ring if stage == 2 or offloads else 2 * ring
+
+
+def plan(
+    hw: Hardware,
+    wl: Workload,
+    stage: int,
+    offload: str = "none",
+    ratio: float = 1.0,
+    layout: Layout | None = None,
+) -> Plan:
+    """Memory per tier, whether it fits, and the step time of one stage x offload choice (and layout)."""
     if offload not in OFFLOADS:
         raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}; got {offload!r}")
     if hw.gpus < 1:
@@ -186,10 +234,13 @@ def plan(hw: Hardware, wl: Workload, stage: int, offload: str = "none", ratio: f
         raise ValueError(
             "a partial offload updates some weights on the device: with offload_param keep ratio 1"
         )
+    layout = layout or Layout()
+    layout.check(hw, stage)
     ratio = 0.0 if offload == "none" else ratio
-    states = _model_states(hw, wl, stage, offload, ratio)
-    low, n = LOW_BYTES[wl.precision], hw.gpus
-    shard = math.ceil(wl.params / n)
+    low, dp, micro = LOW_BYTES[wl.precision], layout.dp(hw), layout.micro
+    params = math.ceil(wl.params / (layout.tp * layout.pp))  # one GPU's piece of the model
+    states = _model_states(params, dp, wl, stage, offload, ratio)
+    shard = math.ceil(params / dp)
     on_host = ratio * shard  # elements of this rank's optimizer step run on the host
     # Staging: the host's 16-bit landing buffer for gradients and, unless the weights live on the host or are
     # the fp32 master itself, the one for the updated weights (implementation/offload.py).
@@ -197,29 +248,35 @@ def plan(hw: Hardware, wl: Workload, stage: int, offload: str = "none", ratio: f
     staging = round(low * on_host * (1 + weight_staging))
     buffers = 0
     if stage >= 2 or ratio > 0:  # gradient buckets: one filling while the other is reduced
-        buffers = 2 * min(wl.bucket_numel, wl.params) * low * (2 if stage == 3 else 1)
-    down = low * on_host  # gradients
-    up = 2 * low * shard if offload == "optimizer+param" else low * on_host  # weights
-    flops = (8 if wl.recompute else 6) * wl.params * wl.batch * wl.seq_len
-    on_gpu = (1 - ratio) * (shard if stage >= 1 else wl.params)
-    collectives = (3 if stage == 3 else 2) * (n - 1) / n * low * wl.params
-    calls = math.ceil(ratio * wl.tensor_calls)  # the CPU Adam's: one per tensor it updates
+        buffers = 2 * min(wl.bucket_numel, params) * low * (2 if stage == 3 else 1)
+    down = micro * low * on_host  # gradients, every micro-batch
+    up = 2 * micro * low * shard if offload == "optimizer+param" else low * on_host  # weights
+    flops = (8 if wl.recompute else 6) * params * wl.batch * wl.seq_len * micro
+    compute = flops / (hw.gpu_tflops * 1e12 * hw.mfu)
+    on_gpu = (1 - ratio) * (shard if stage >= 1 else params)
+    collectives = _collectives(stage, ratio > 0, micro, dp) * low * params
+    calls = math.ceil(ratio * wl.tensor_calls / layout.pp)  # the CPU Adam's: one per tensor it updates
+    link = hw.link_gb_per_s * 1e9  # per direction
     time = StepTime(
-        compute=flops / (hw.gpu_tflops * 1e12 * hw.mfu),
+        compute=compute,
         gpu_adam=on_gpu * ADAM_BYTES_PER_PARAM / (hw.gpu_memory_gb_per_s * 1e9),
-        comm=collectives / (hw.gpu_link_gb_per_s * 1e9) if n > 1 else 0.0,
-        pcie=(down + up) / (hw.link_gb_per_s * 1e9),
+        comm=collectives / (dp_link_gb_per_s(hw, layout) * 1e9) if dp > 1 else 0.0,
+        pcie_down=down / link,
+        pcie_up=up / link,
         cpu_adam=cpu_adam_seconds(hw, on_host, calls, wl.precision) if ratio > 0 else 0.0,
+        model_parallel=model_parallel_seconds(hw, wl, layout, low),
+        bubble=compute * bubble_share(layout),
     )
-    activations = wl.activation_bytes()
+    activations = int(wl.activation_bytes() * activation_factor(layout))
     return Plan(
         stage, offload, ratio, states, activations, buffers, staging,
         device_bytes=states.device + activations + buffers,
-        host_bytes=n * (states.host + staging),
+        host_bytes=hw.gpus * (states.host + staging),
         device_usable=int(hw.gpu_memory * (1 - DEVICE_RESERVE)),
         host_usable=int(hw.host_memory * (1 - HOST_RESERVE)),
         pcie_bytes=round(down + up),
         time=time,
+        layout=layout,
     )  # fmt: skip
 
 

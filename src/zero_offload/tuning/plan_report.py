@@ -29,13 +29,18 @@ def describe(hw: Hardware, wl: Workload) -> str:
             f"; {hw.cpu_adam_cached_params_per_s / 1e9:.3g} on states still in the cache, which keeps "
             f"{hw.cpu_adam_cache_bytes / 2**20:.0f} MiB of them between steps"
         )
+    sockets = per_socket = ""
+    if hw.sockets > 1:
+        spread = " (spread over them)" if hw.numa_spread and hw.gpus < hw.sockets else ""
+        sockets = f" in {hw.sockets} sockets of {hw.host_memory_gb_per_s / hw.sockets:.3g}"
+        per_socket = f", each rank its own socket's{spread}"
     return (
         f"{wl.params / 1e9:.3g}B parameters ({layers} layers x hidden {hidden}), {wl.precision}, batch "
         f"{wl.batch} x {wl.seq_len} tokens per GPU{recompute}\n"
         f"{hw.name}: {hw.gpus} GPU(s) of {gb(hw.gpu_memory)}, {hw.gpu_tflops:.4g} TFLOP/s x {hw.mfu:.0%} "
-        f"MFU; host {gb(hw.host_memory)}, {hw.cpu_cores} cores, memory {hw.host_memory_gb_per_s:.3g} GB/s; "
-        f"device-host link ({hw.link_kind}) {hw.link_gb_per_s:.3g} GB/s\n"
-        f"CPU Adam: {hw.cpu_adam_params_per_s / 1e9:.3g} Gparam/s the host, shared by its ranks; "
+        f"MFU; host {gb(hw.host_memory)}, {hw.cpu_cores} cores, memory {hw.host_memory_gb_per_s:.3g} GB/s"
+        f"{sockets}; device-host link ({hw.link_kind}) {hw.link_gb_per_s:.3g} GB/s a direction\n"
+        f"CPU Adam: {hw.cpu_adam_params_per_s / 1e9:.3g} Gparam/s the host, shared by its ranks{per_socket}; "
         f"{hw.cpu_adam_thread_params_per_s / 1e9:.3g} a thread; a rank with {hw.cpu_adam_threads} thread(s) "
         f"reaches {hw.cpu_adam_rank_params_per_s() / 1e9:.3g}{cached}"
     )
@@ -71,6 +76,30 @@ def format_plans(plans: list[Plan]) -> str:
     )
     rows.append("stage 0 cannot offload (offloading partitions the optimizer); offload_param needs stage 3")
     return "\n".join(rows)
+
+
+def format_layouts(rows: list[tuple]) -> str:
+    """parallel.plan_layouts as a table: the fastest full-offload choice that fits for each (dp, tp, pp)."""
+    head = (
+        f"{'nodes':>5}{'GPUs':>5}{'dp':>4}{'tp':>4}{'pp':>4}{'micro':>6}  {'fastest that fits':<34}{'device':>9}"
+        f"{'host':>10}{'serial s':>9}{'overlap s':>10}  {'bottleneck':<11}{'TP+PP s':>8}{'bubble s':>9}"
+    )
+    lines = ["Parallel layouts (rough: parallel.py), the same global batch each:", head, "-" * len(head)]
+    for hw, layout, best, least in rows:
+        start = f"{hw.nodes:>5}{hw.gpus * hw.nodes:>5}{layout.dp(hw):>4}{layout.tp:>4}{layout.pp:>4}{layout.micro:>6}  "
+        if best is None:
+            lines.append(f"{start}{'none fits (least: ' + least.label + ')':<34}{gb(least.device_bytes):>9}")
+            continue
+        t = best.time
+        lines.append(
+            f"{start}{best.label:<34}{gb(best.device_bytes):>9}{gb(best.host_bytes):>10}{t.serial:>9.3g}"
+            f"{t.overlapped:>10.3g}  {t.bottleneck:<11}{t.model_parallel:>8.3g}{t.bubble:>9.3g}"
+        )
+    lines.append(
+        "per GPU: the model / (tp x pp), ZeRO-sharded over dp; TP inside a host, DP across hosts at the "
+        "inter-node GB/s; pp > 1: stage 0/1 only (DeepSpeed's pipeline engine); host: per host"
+    )
+    return "\n".join(lines)
 
 
 def format_recommendation(rec: Recommendation) -> str:
