@@ -3,7 +3,7 @@
 A table or paragraph in course/*.md that quotes measured figures carries a marker on the line above it:
 
     <!-- source: lessons/05_practice.ipynb -->
-    <!-- source: course/measured/bench-schedules-amd-epyc-zen5.txt, lessons/04_tuning.ipynb -->
+    <!-- source: course/measured/bench-schedules-amd-epyc-zen5.txt, lessons/04_tuning.ipynb (section 6) -->
 
 Every decimal number in that block (the lines up to the next blank line) must appear in one of the sources: in a
 notebook's stored outputs, or in a results file, as printed or rounded to the digits the text gives. Integers,
@@ -43,7 +43,8 @@ def _blocks(chapter: Path) -> list[tuple[int, list[str], list[str], str]]:
             if not following.strip():
                 break
             block.append(following)
-        sources, _, derived = marker.group(1).partition(";")
+        # A note in parentheses after a source (which section of the notebook) is for the reader.
+        sources, _, derived = re.sub(r"\([^)]*\)", "", marker.group(1)).partition(";")
         derived = derived.strip().removeprefix("derived:").split(",")
         named = [s.strip() for s in sources.split(",")]
         found.append((number + 1, named, [d.strip() for d in derived if d.strip()], "\n".join(block)))
