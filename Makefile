@@ -9,7 +9,7 @@ LAB_DIR ?= labs
 PYTEST_WORKERS ?= 2
 
 .PHONY: install test demo build labs lessons jupyter bench lint gpu-check clean \
-        lab1 lab2 lab3 lab4 lab5 train-multinode demo-multinode
+        lab1 lab2 lab3 lab4 lab5 train-multinode demo-multinode site serve-site site-check
 
 install: $(STAMP)
 
@@ -52,6 +52,20 @@ lessons: $(STAMP)
 
 jupyter: $(STAMP)
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --notebook-dir=lessons
+
+# The course as an offline static website in out/site/ (chapters, lessons with their stored outputs, labs, API).
+site: $(STAMP)
+	$(PY) tools/build_site.py
+
+SITE_PORT ?= 8000
+serve-site:
+	@test -f out/site/index.html || $(MAKE) site
+	$(PYTHON) -m http.server --bind 127.0.0.1 --directory out/site $(SITE_PORT)
+
+# Opens the built site in Chromium (Debian's, through Playwright): math, images, CJK glyphs, Chinese search.
+# Screenshots and report.json in out/site-check/.
+site-check: site
+	$(PY) tools/check_site.py
 
 bench: $(STAMP)
 	$(VENV)/bin/zo bench

@@ -1,0 +1,324 @@
+"""Check the built course website in a real browser: ``make site-check`` (after ``make site``).
+
+Serves ``out/site/`` on 127.0.0.1, opens it in Debian's Chromium through Playwright (``executable_path``; no
+``playwright install``), blocks every request to another host (and fails if a page makes one), and checks:
+
+- the home page: Chinese glyphs render (two different CJK characters draw different pixels, and neither draws
+  like a character no font has: no tofu);
+- a chapter with math and a figure: every ``<math>`` element has a non-zero size and fractions are laid out
+  (numerator above denominator), every image has ``naturalWidth > 0``;
+- a lesson with plots: every stored plot loads;
+- search: typing a Chinese term in the search box lists its chapter.
+
+Screenshots and a JSON report go to ``out/site-check/``. Exit status 1 if a check fails, 2 if something needed
+is missing (the message says what and how to install it).
+
+    python tools/check_site.py [--site out/site] [--out out/site-check] [--term 梯度分片]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import http.server
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from urllib.parse import urlsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM_CANDIDATES = ["/usr/bin/chromium", "/usr/lib/chromium/chromium", "/usr/bin/chromium-browser"]
+
+
+class Missing(Exception):
+    """Something the check needs is not installed."""
+
+
+def apt_install(*packages: str) -> bool:
+    """Install Debian packages when running as root with apt-get; False where that is not possible."""
+    if not shutil.which("apt-get") or not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return False
+    print(f"installing {' '.join(packages)} with apt-get ...", flush=True)
+    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
+    if subprocess.run(cmd, capture_output=True).returncode != 0:
+        subprocess.run(["apt-get", "update"], capture_output=True)
+        return subprocess.run(cmd, capture_output=True).returncode == 0
+    return True
+
+
+def find_chromium(install: bool = True) -> str:
+    for path in CHROMIUM_CANDIDATES:
+        if Path(path).exists():
+            return path
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found:
+        return found
+    if install and apt_install("chromium"):
+        return find_chromium(install=False)
+    raise Missing("Chromium is not installed: run `apt-get install -y chromium` (as root) and retry")
+
+
+def check_cjk_font(install: bool = True) -> str:
+    fonts = ""
+    if shutil.which("fc-list"):
+        fonts = subprocess.run(
+            ["fc-list", ":lang=zh", "family"], capture_output=True, text=True
+        ).stdout.strip()
+    if fonts:
+        return fonts.splitlines()[0]
+    if install and apt_install("fontconfig", "fonts-noto-cjk"):
+        return check_cjk_font(install=False)
+    raise Missing(
+        "no Chinese font is installed (fc-list :lang=zh is empty): run `apt-get install -y fonts-noto-cjk`"
+    )
+
+
+def serve(site: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
+    handler = functools.partial(_QuietHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/"
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def pick_chapter(site: Path) -> tuple[str, bool, bool]:
+    """The chapter page with the most math and images: (path, has_math, has_figure)."""
+    best = None
+    for page in sorted((site / "chapters").glob("*.html")):
+        text = page.read_text(encoding="utf-8")
+        article = text.split("<article", 1)[-1]
+        n_math = article.count("<math")
+        n_img = len(re.findall(r"<img\b", article))
+        score = (n_math > 0) + (n_img > 0), n_math + n_img
+        if best is None or score > best[0]:
+            best = (score, page.relative_to(site).as_posix(), n_math > 0, n_img > 0)
+    if best is None:
+        raise Missing(f"no chapter pages under {site}/chapters: run `make site` first")
+    return best[1], best[2], best[3]
+
+
+def pick_lesson(site: Path) -> str:
+    pages = sorted((site / "lessons").glob("*.html"))
+    if not pages:
+        raise Missing(f"no lesson pages under {site}/lessons: run `make site` first")
+    return (
+        max(pages, key=lambda p: p.read_text(encoding="utf-8").count("data:image/png"))
+        .relative_to(site)
+        .as_posix()
+    )
+
+
+# JavaScript run in the page -----------------------------------------------------------------------------------
+
+JS_IMAGES = """async () => {
+  const imgs = [...document.querySelectorAll('article img, .md-content img')];
+  await Promise.all(imgs.map(i => i.complete ? null : new Promise(r => { i.onload = i.onerror = r; })));
+  return imgs.map(i => ({src: i.currentSrc.slice(0, 60), w: i.naturalWidth, h: i.naturalHeight}));
+}"""
+
+JS_MATH = """() => [...document.querySelectorAll('article math')].map(m => {
+  const r = m.getBoundingClientRect();
+  const frac = m.querySelector('mfrac');
+  let stacked = null;
+  if (frac && frac.children.length == 2) {
+    const a = frac.children[0].getBoundingClientRect(), b = frac.children[1].getBoundingClientRect();
+    stacked = a.bottom <= b.top + 1;
+  }
+  return {w: r.width, h: r.height, display: m.getAttribute('display'), stacked,
+          visible: !!(m.offsetParent || m.getClientRects().length)};
+})"""
+
+# Draw a string on a canvas with the page's font and return a hash of its pixels.
+JS_GLYPHS = """(chars) => {
+  const font = getComputedStyle(document.querySelector('.md-typeset') || document.body).fontFamily;
+  const draw = (s) => {
+    const c = document.createElement('canvas'); c.width = 64; c.height = 64;
+    const x = c.getContext('2d'); x.fillStyle = '#fff'; x.fillRect(0, 0, 64, 64);
+    x.fillStyle = '#000'; x.font = `48px ${font}`; x.textBaseline = 'top'; x.fillText(s, 4, 4);
+    const d = x.getImageData(0, 0, 64, 64).data; let h = 0, ink = 0;
+    for (let i = 0; i < d.length; i += 4) { h = (h * 31 + d[i]) >>> 0; if (d[i] < 128) ink++; }
+    return {hash: h, ink, width: x.measureText(s).width};
+  };
+  return {font, glyphs: chars.map(draw)};
+}"""
+
+
+def run(site: Path, out: Path, term: str) -> dict:
+    from playwright.sync_api import sync_playwright
+
+    chromium = find_chromium()
+    font = check_cjk_font()
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"chromium": chromium, "cjk_font": font, "checks": [], "screenshots": {}}
+
+    def check(name: str, ok: bool, detail) -> None:
+        results["checks"].append({"check": name, "ok": bool(ok), "detail": detail})
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
+
+    server, base = serve(site)
+    external: list[str] = []
+    try:
+        with sync_playwright() as pw:
+            try:
+                browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+            except Exception as exc:
+                raise Missing(f"Chromium at {chromium} did not start under Playwright: {exc}") from exc
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+
+            def route(r):
+                host = urlsplit(r.request.url).hostname
+                if r.request.url.startswith(("data:", "blob:")) or host == "127.0.0.1":
+                    return r.continue_()
+                external.append(r.request.url)
+                return r.abort()
+
+            page.route("**/*", route)
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+
+            # Home page: Chinese glyphs.
+            page.goto(base + "index.html", wait_until="networkidle")
+            glyphs = page.evaluate(JS_GLYPHS, ["梯", "载", "\U000f0000"])
+            a, b, missing = glyphs["glyphs"]
+            check(
+                "CJK glyphs render (no tofu)",
+                a["ink"] > 0
+                and a["hash"] != b["hash"]
+                and a["hash"] != missing["hash"]
+                and b["hash"] != missing["hash"],
+                {"font-family": glyphs["font"], "梯": a, "载": b, "U+F0000 (no glyph)": missing},
+            )
+            page.screenshot(path=str(out / "home.png"))
+            results["screenshots"]["home.png"] = "home page: the course map table, Chinese text, navigation"
+
+            # A chapter with math and a figure.
+            chapter, has_math, has_fig = pick_chapter(site)
+            page.goto(base + chapter, wait_until="networkidle")
+            if not has_math:
+                # No chapter has TeX yet: typeset a probe made by the build's own converter on the chapter page.
+                sys.path.insert(0, str(ROOT / "tools"))
+                from build_site import tex_to_mathml
+
+                probe = tex_to_mathml(r"\frac{(2 + 2 + K)\Psi}{N_d} = \frac{16\Psi}{N_d}", display=True)
+                page.evaluate(
+                    """(m) => { const d = document.createElement('div'); d.id = 'zo-math-probe'; d.innerHTML = m;
+                                document.querySelector('article').prepend(d); }""",
+                    probe,
+                )
+            maths = [m for m in page.evaluate(JS_MATH) if m["visible"]]
+            check(
+                "math is typeset (MathML, non-zero size, fractions stacked)"
+                + ("" if has_math else " [no chapter has math yet: probe built with the site's converter]"),
+                bool(maths)
+                and all(m["w"] > 0 and m["h"] > 0 for m in maths)
+                and all(m["stacked"] is not False for m in maths),
+                {"page": chapter, "math elements": len(maths), "first": maths[:3]},
+            )
+            imgs = page.evaluate(JS_IMAGES)
+            check(
+                "chapter figures load" + ("" if has_fig else " [no chapter has a figure yet]"),
+                all(i["w"] > 0 for i in imgs) and (bool(imgs) or not has_fig),
+                {"page": chapter, "images": imgs[:10]},
+            )
+            target = page.locator("#zo-math-probe, article math").first
+            if target.count():
+                target.scroll_into_view_if_needed()
+            page.screenshot(path=str(out / "chapter.png"))
+            results["screenshots"]["chapter.png"] = f"{chapter}: the chapter at its first formula"
+            if has_fig:
+                page.locator("article img").first.scroll_into_view_if_needed()
+                page.screenshot(path=str(out / "chapter-figure.png"))
+                results["screenshots"]["chapter-figure.png"] = f"{chapter}: its first figure"
+
+            # A lesson with plots (stored outputs).
+            lesson = pick_lesson(site)
+            page.goto(base + lesson, wait_until="networkidle")
+            imgs = page.evaluate(JS_IMAGES)
+            plots = [i for i in imgs if i["src"].startswith("data:image/png")]
+            check(
+                "lesson plots load",
+                bool(plots) and all(i["w"] > 0 for i in plots),
+                {"page": lesson, "plots": plots},
+            )
+            page.locator("img[src^='data:image/png']").first.scroll_into_view_if_needed()
+            page.screenshot(path=str(out / "lesson.png"))
+            results["screenshots"]["lesson.png"] = f"{lesson}: the first stored plot"
+
+            # Search for a Chinese term.
+            page.goto(base + "index.html", wait_until="networkidle")
+            box = page.locator("input.md-search__input")
+            box.click()
+            box.type(term, delay=30)
+            box.press("End")  # Material reads the query on keyup; typed CJK text arrives as input events only
+            try:
+                page.wait_for_selector(".md-search-result__item", timeout=15_000)
+            except Exception:
+                pass
+            page.wait_for_timeout(500)
+            hits = page.eval_on_selector_all(
+                ".md-search-result__item > a", "as => as.map(a => a.getAttribute('href'))"
+            )
+            chapters = sorted(
+                {urlsplit(h).path.lstrip("/") for h in hits if "/chapters/" in h}
+                & {
+                    p.relative_to(site).as_posix()
+                    for p in (site / "chapters").glob("*.html")
+                    if term in p.read_text(encoding="utf-8")
+                }
+            )
+            meta = (
+                page.locator(".md-search-result__meta").first.inner_text()
+                if page.locator(".md-search-result__meta").count()
+                else ""
+            )
+            check(
+                f"search finds {term} in a chapter that has it",
+                bool(chapters),
+                {"results": len(hits), "chapters": chapters, "meta": meta},
+            )
+            page.screenshot(path=str(out / "search.png"))
+            results["screenshots"]["search.png"] = f"search for {term}: the result list"
+
+            check("no request left the machine", not external, external[:10])
+            check("no script errors", not errors, errors[:5])
+            browser.close()
+    finally:
+        server.shutdown()
+    results["ok"] = all(c["ok"] for c in results["checks"])
+    (out / "report.json").write_text(json.dumps(results, ensure_ascii=False, indent=1), encoding="utf-8")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--site", default=str(ROOT / "out" / "site"))
+    ap.add_argument("--out", default=str(ROOT / "out" / "site-check"))
+    ap.add_argument("--term", default="梯度分片", help="the Chinese term to search for")
+    args = ap.parse_args(argv)
+    site = Path(args.site)
+    try:
+        if not (site / "index.html").is_file():
+            raise Missing(f"{site}/index.html does not exist: run `make site` first")
+        try:
+            import playwright.sync_api  # noqa: F401
+        except ImportError as exc:
+            raise Missing("Playwright is not installed: run `.venv/bin/pip install -e '.[dev]'`") from exc
+        results = run(site, Path(args.out), args.term)
+    except Missing as exc:
+        print(f"site-check cannot run: {exc}", file=sys.stderr)
+        return 2
+    print(f"screenshots and report.json in {args.out}")
+    return 0 if results["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
