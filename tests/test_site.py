@@ -24,7 +24,10 @@ pytest.importorskip("mkdocs_jupyter")
 pytest.importorskip("jieba")
 pytest.importorskip("latex2mathml")
 
-import build_site  # noqa: E402
+import build_site  # noqa: E402  (it puts the repository root on sys.path, for tools.site)
+
+from tools.site.mathml import MATH_RE, math_html  # noqa: E402
+from tools.site.paths import as_url  # noqa: E402
 
 SEARCH_TERMS = ["梯度分片", "卸载", "流水线"]
 
@@ -88,7 +91,7 @@ def test_site_builds_strictly_with_a_home_page(site):
     # The README's course map, extracted at build time, links every chapter's page.
     for rel in site_map["chapters"]:
         if not rel.endswith("glossary.md"):
-            assert build_site.as_url(rel) in home, rel
+            assert as_url(rel) in home, rel
 
 
 def test_every_chapter_lesson_and_lab_has_a_page(site):
@@ -125,7 +128,7 @@ def test_every_chapter_lesson_and_lab_has_a_page(site):
 
 def test_navigation_has_previous_and_next_links(site):
     site_dir, site_map = site
-    chapter = site_dir / build_site.as_url(site_map["chapters"][1])
+    chapter = site_dir / as_url(site_map["chapters"][1])
     links = parse(chapter)
     rels = {a.get("rel") for tag, _, _, a in links.urls if tag == "a"}
     assert {"prev", "next"} <= rels or any(
@@ -209,7 +212,7 @@ def test_chinese_search_finds_the_chapter_of_a_glossary_term(site, term):
     for rel in site_map["chapters"]:
         n = (ROOT / "course" / Path(rel).name).read_text(encoding="utf-8").count(term)
         if n:
-            counts[build_site.as_url(rel)] = n
+            counts[as_url(rel)] = n
     assert counts, f"no chapter mentions {term}"
     hits = _search(index, term)
     most = max(counts, key=counts.get)
@@ -221,8 +224,8 @@ def test_chinese_search_finds_the_chapter_of_a_glossary_term(site, term):
 
 
 def test_math_becomes_mathml_at_build_time():
-    html = build_site.math_html(build_site.MATH_RE.search(r"$(2 + 2 + K)\Psi = 16\Psi$"))
+    html = math_html(MATH_RE.search(r"$(2 + 2 + K)\Psi = 16\Psi$"))
     assert "<math" in html and 'display="inline"' in html
-    html = build_site.math_html(build_site.MATH_RE.search("$$\n\\frac{m}{\\sqrt{v}+\\epsilon}\n$$"))
+    html = math_html(MATH_RE.search("$$\n\\frac{m}{\\sqrt{v}+\\epsilon}\n$$"))
     assert "<mfrac>" in html and 'display="block"' in html
-    assert build_site.MATH_RE.search("prices $5 and $6, `$CC`") is None
+    assert MATH_RE.search("prices $5 and $6, `$CC`") is None

@@ -19,75 +19,17 @@ is missing (the message says what and how to install it).
 from __future__ import annotations
 
 import argparse
-import functools
-import http.server
 import json
-import os
 import re
-import shutil
-import subprocess
 import sys
-import threading
 from pathlib import Path
 from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM_CANDIDATES = ["/usr/bin/chromium", "/usr/lib/chromium/chromium", "/usr/bin/chromium-browser"]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))  # for the package tools.site (a bare "site" is Python's own module)
 
-
-class Missing(Exception):
-    """Something the check needs is not installed."""
-
-
-def apt_install(*packages: str) -> bool:
-    """Install Debian packages when running as root with apt-get; False where that is not possible."""
-    if not shutil.which("apt-get") or not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return False
-    print(f"installing {' '.join(packages)} with apt-get ...", flush=True)
-    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
-    if subprocess.run(cmd, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update"], capture_output=True)
-        return subprocess.run(cmd, capture_output=True).returncode == 0
-    return True
-
-
-def find_chromium(install: bool = True) -> str:
-    for path in CHROMIUM_CANDIDATES:
-        if Path(path).exists():
-            return path
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
-    if found:
-        return found
-    if install and apt_install("chromium"):
-        return find_chromium(install=False)
-    raise Missing("Chromium is not installed: run `apt-get install -y chromium` (as root) and retry")
-
-
-def check_cjk_font(install: bool = True) -> str:
-    fonts = ""
-    if shutil.which("fc-list"):
-        fonts = subprocess.run(
-            ["fc-list", ":lang=zh", "family"], capture_output=True, text=True
-        ).stdout.strip()
-    if fonts:
-        return fonts.splitlines()[0]
-    if install and apt_install("fontconfig", "fonts-noto-cjk"):
-        return check_cjk_font(install=False)
-    raise Missing(
-        "no Chinese font is installed (fc-list :lang=zh is empty): run `apt-get install -y fonts-noto-cjk`"
-    )
-
-
-def serve(site: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
-    handler = functools.partial(_QuietHandler, directory=str(site))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}/"
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
+from tools.site.browser import Missing, check_cjk_font, find_chromium, keep_requests_local, serve  # noqa: E402
 
 
 def pick_chapter(site: Path) -> tuple[str, bool, bool]:
@@ -152,18 +94,134 @@ JS_GLYPHS = """(chars) => {
 }"""
 
 
+class Checks:
+    """The results: each check printed as it is made, then all of them saved as report.json."""
+
+    def __init__(self, out: Path, chromium: str, font: str):
+        self.out = out
+        self.results: dict = {"chromium": chromium, "cjk_font": font, "checks": [], "screenshots": {}}
+
+    def check(self, name: str, ok: bool, detail) -> None:
+        self.results["checks"].append({"check": name, "ok": bool(ok), "detail": detail})
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
+
+    def screenshot(self, page, name: str, what: str) -> None:
+        page.screenshot(path=str(self.out / name))
+        self.results["screenshots"][name] = what
+
+
+def check_home(page, base: str, checks: Checks) -> None:
+    """Chinese glyphs: two CJK characters draw differently, and neither like a character no font has (tofu)."""
+    page.goto(base + "index.html", wait_until="networkidle")
+    glyphs = page.evaluate(JS_GLYPHS, ["梯", "载", "\U000f0000"])
+    a, b, missing = glyphs["glyphs"]
+    checks.check(
+        "CJK glyphs render (no tofu)",
+        a["ink"] > 0
+        and a["hash"] != b["hash"]
+        and a["hash"] != missing["hash"]
+        and b["hash"] != missing["hash"],
+        {"font-family": glyphs["font"], "梯": a, "载": b, "U+F0000 (no glyph)": missing},
+    )
+    checks.screenshot(page, "home.png", "home page: the course map table, Chinese text, navigation")
+
+
+def check_chapter(page, base: str, site: Path, checks: Checks) -> None:
+    """A chapter with math and a figure: the math is laid out and every image loads."""
+    chapter, has_math, has_fig = pick_chapter(site)
+    page.goto(base + chapter, wait_until="networkidle")
+    if not has_math:
+        # No chapter has TeX yet: typeset a probe made by the build's own converter on the chapter page.
+        from tools.site.mathml import tex_to_mathml
+
+        probe = tex_to_mathml(r"\frac{(2 + 2 + K)\Psi}{N_d} = \frac{16\Psi}{N_d}", display=True)
+        page.evaluate(
+            """(m) => { const d = document.createElement('div'); d.id = 'zo-math-probe'; d.innerHTML = m;
+                        document.querySelector('article').prepend(d); }""",
+            probe,
+        )
+    maths = [m for m in page.evaluate(JS_MATH) if m["visible"]]
+    checks.check(
+        "math is typeset (MathML, non-zero size, fractions stacked)"
+        + ("" if has_math else " [no chapter has math yet: probe built with the site's converter]"),
+        bool(maths)
+        and all(m["w"] > 0 and m["h"] > 0 for m in maths)
+        and all(m["stacked"] is not False for m in maths),
+        {"page": chapter, "math elements": len(maths), "first": maths[:3]},
+    )
+    imgs = page.evaluate(JS_IMAGES)
+    checks.check(
+        "chapter figures load" + ("" if has_fig else " [no chapter has a figure yet]"),
+        all(i["w"] > 0 for i in imgs) and (bool(imgs) or not has_fig),
+        {"page": chapter, "images": imgs[:10]},
+    )
+    target = page.locator("#zo-math-probe, article math").first
+    if target.count():
+        target.scroll_into_view_if_needed()
+    checks.screenshot(page, "chapter.png", f"{chapter}: the chapter at its first formula")
+    if has_fig:
+        page.locator("article img").first.scroll_into_view_if_needed()
+        checks.screenshot(page, "chapter-figure.png", f"{chapter}: its first figure")
+
+
+def check_lesson(page, base: str, site: Path, checks: Checks) -> None:
+    """A lesson with plots: every stored plot (a data: URL in the notebook's outputs) loads."""
+    lesson = pick_lesson(site)
+    page.goto(base + lesson, wait_until="networkidle")
+    imgs = page.evaluate(JS_IMAGES)
+    plots = [i for i in imgs if i["src"].startswith("data:image/png")]
+    checks.check(
+        "lesson plots load",
+        bool(plots) and all(i["w"] > 0 for i in plots),
+        {"page": lesson, "plots": plots},
+    )
+    page.locator("img[src^='data:image/png']").first.scroll_into_view_if_needed()
+    checks.screenshot(page, "lesson.png", f"{lesson}: the first stored plot")
+
+
+def check_search(page, base: str, site: Path, term: str, checks: Checks) -> None:
+    """Typing a Chinese term in the search box lists a chapter that has it."""
+    page.goto(base + "index.html", wait_until="networkidle")
+    box = page.locator("input.md-search__input")
+    box.click()
+    box.type(term, delay=30)
+    box.press("End")  # Material reads the query on keyup; typed CJK text arrives as input events only
+    try:
+        page.wait_for_selector(".md-search-result__item", timeout=15_000)
+    except Exception:
+        pass  # no result list: the check below fails and says so
+    page.wait_for_timeout(500)
+    hits = page.eval_on_selector_all(
+        ".md-search-result__item > a", "as => as.map(a => a.getAttribute('href'))"
+    )
+    chapters = sorted(
+        {urlsplit(h).path.lstrip("/") for h in hits if "/chapters/" in h}
+        & {
+            p.relative_to(site).as_posix()
+            for p in (site / "chapters").glob("*.html")
+            if term in p.read_text(encoding="utf-8")
+        }
+    )
+    meta = (
+        page.locator(".md-search-result__meta").first.inner_text()
+        if page.locator(".md-search-result__meta").count()
+        else ""
+    )
+    checks.check(
+        f"search finds {term} in a chapter that has it",
+        bool(chapters),
+        {"results": len(hits), "chapters": chapters, "meta": meta},
+    )
+    checks.screenshot(page, "search.png", f"search for {term}: the result list")
+
+
 def run(site: Path, out: Path, term: str) -> dict:
     from playwright.sync_api import sync_playwright
 
     chromium = find_chromium()
     font = check_cjk_font()
     out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"chromium": chromium, "cjk_font": font, "checks": [], "screenshots": {}}
-
-    def check(name: str, ok: bool, detail) -> None:
-        results["checks"].append({"check": name, "ok": bool(ok), "detail": detail})
-        print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
-
+    checks = Checks(out, chromium, font)
     server, base = serve(site)
     external: list[str] = []
     try:
@@ -173,126 +231,20 @@ def run(site: Path, out: Path, term: str) -> dict:
             except Exception as exc:
                 raise Missing(f"Chromium at {chromium} did not start under Playwright: {exc}") from exc
             page = browser.new_page(viewport={"width": 1280, "height": 900})
-
-            def route(r):
-                host = urlsplit(r.request.url).hostname
-                if r.request.url.startswith(("data:", "blob:")) or host == "127.0.0.1":
-                    return r.continue_()
-                external.append(r.request.url)
-                return r.abort()
-
-            page.route("**/*", route)
+            keep_requests_local(page, external)
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
 
-            # Home page: Chinese glyphs.
-            page.goto(base + "index.html", wait_until="networkidle")
-            glyphs = page.evaluate(JS_GLYPHS, ["梯", "载", "\U000f0000"])
-            a, b, missing = glyphs["glyphs"]
-            check(
-                "CJK glyphs render (no tofu)",
-                a["ink"] > 0
-                and a["hash"] != b["hash"]
-                and a["hash"] != missing["hash"]
-                and b["hash"] != missing["hash"],
-                {"font-family": glyphs["font"], "梯": a, "载": b, "U+F0000 (no glyph)": missing},
-            )
-            page.screenshot(path=str(out / "home.png"))
-            results["screenshots"]["home.png"] = "home page: the course map table, Chinese text, navigation"
-
-            # A chapter with math and a figure.
-            chapter, has_math, has_fig = pick_chapter(site)
-            page.goto(base + chapter, wait_until="networkidle")
-            if not has_math:
-                # No chapter has TeX yet: typeset a probe made by the build's own converter on the chapter page.
-                sys.path.insert(0, str(ROOT / "tools"))
-                from build_site import tex_to_mathml
-
-                probe = tex_to_mathml(r"\frac{(2 + 2 + K)\Psi}{N_d} = \frac{16\Psi}{N_d}", display=True)
-                page.evaluate(
-                    """(m) => { const d = document.createElement('div'); d.id = 'zo-math-probe'; d.innerHTML = m;
-                                document.querySelector('article').prepend(d); }""",
-                    probe,
-                )
-            maths = [m for m in page.evaluate(JS_MATH) if m["visible"]]
-            check(
-                "math is typeset (MathML, non-zero size, fractions stacked)"
-                + ("" if has_math else " [no chapter has math yet: probe built with the site's converter]"),
-                bool(maths)
-                and all(m["w"] > 0 and m["h"] > 0 for m in maths)
-                and all(m["stacked"] is not False for m in maths),
-                {"page": chapter, "math elements": len(maths), "first": maths[:3]},
-            )
-            imgs = page.evaluate(JS_IMAGES)
-            check(
-                "chapter figures load" + ("" if has_fig else " [no chapter has a figure yet]"),
-                all(i["w"] > 0 for i in imgs) and (bool(imgs) or not has_fig),
-                {"page": chapter, "images": imgs[:10]},
-            )
-            target = page.locator("#zo-math-probe, article math").first
-            if target.count():
-                target.scroll_into_view_if_needed()
-            page.screenshot(path=str(out / "chapter.png"))
-            results["screenshots"]["chapter.png"] = f"{chapter}: the chapter at its first formula"
-            if has_fig:
-                page.locator("article img").first.scroll_into_view_if_needed()
-                page.screenshot(path=str(out / "chapter-figure.png"))
-                results["screenshots"]["chapter-figure.png"] = f"{chapter}: its first figure"
-
-            # A lesson with plots (stored outputs).
-            lesson = pick_lesson(site)
-            page.goto(base + lesson, wait_until="networkidle")
-            imgs = page.evaluate(JS_IMAGES)
-            plots = [i for i in imgs if i["src"].startswith("data:image/png")]
-            check(
-                "lesson plots load",
-                bool(plots) and all(i["w"] > 0 for i in plots),
-                {"page": lesson, "plots": plots},
-            )
-            page.locator("img[src^='data:image/png']").first.scroll_into_view_if_needed()
-            page.screenshot(path=str(out / "lesson.png"))
-            results["screenshots"]["lesson.png"] = f"{lesson}: the first stored plot"
-
-            # Search for a Chinese term.
-            page.goto(base + "index.html", wait_until="networkidle")
-            box = page.locator("input.md-search__input")
-            box.click()
-            box.type(term, delay=30)
-            box.press("End")  # Material reads the query on keyup; typed CJK text arrives as input events only
-            try:
-                page.wait_for_selector(".md-search-result__item", timeout=15_000)
-            except Exception:
-                pass
-            page.wait_for_timeout(500)
-            hits = page.eval_on_selector_all(
-                ".md-search-result__item > a", "as => as.map(a => a.getAttribute('href'))"
-            )
-            chapters = sorted(
-                {urlsplit(h).path.lstrip("/") for h in hits if "/chapters/" in h}
-                & {
-                    p.relative_to(site).as_posix()
-                    for p in (site / "chapters").glob("*.html")
-                    if term in p.read_text(encoding="utf-8")
-                }
-            )
-            meta = (
-                page.locator(".md-search-result__meta").first.inner_text()
-                if page.locator(".md-search-result__meta").count()
-                else ""
-            )
-            check(
-                f"search finds {term} in a chapter that has it",
-                bool(chapters),
-                {"results": len(hits), "chapters": chapters, "meta": meta},
-            )
-            page.screenshot(path=str(out / "search.png"))
-            results["screenshots"]["search.png"] = f"search for {term}: the result list"
-
-            check("no request left the machine", not external, external[:10])
-            check("no script errors", not errors, errors[:5])
+            check_home(page, base, checks)
+            check_chapter(page, base, site, checks)
+            check_lesson(page, base, site, checks)
+            check_search(page, base, site, term, checks)
+            checks.check("no request left the machine", not external, external[:10])
+            checks.check("no script errors", not errors, errors[:5])
             browser.close()
     finally:
         server.shutdown()
+    results = checks.results
     results["ok"] = all(c["ok"] for c in results["checks"])
     (out / "report.json").write_text(json.dumps(results, ensure_ascii=False, indent=1), encoding="utf-8")
     return results
