@@ -31,35 +31,27 @@
 # 设置环境变量 `ZO_SMOKE=1` 会缩小问题规模，只用于快速检查笔记本能否跑通（`python tools/run_lessons.py --smoke 04`）。
 
 # %%
-import math
 import os
 import platform
-import statistics
-import subprocess
-import sys
-import textwrap
-import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # the bench's progress bars are for the terminal, not the notebook
 
-import matplotlib.pyplot as plt
-import numpy as np
 import torch
 from IPython.display import Image, display
 
-import zero_offload as zo
 from zero_offload import bench, plots
-from zero_offload.accelerator import EmulatedAccelerator
 from zero_offload.basics import estimate_model_states
 from zero_offload.cli import main as zo_cli
+from zero_offload.lessons import tuning_kernel, tuning_partial, tuning_plots, tuning_threads
 from zero_offload.tuning import adam_update, advisor, bandwidth, build, parallel, perfmodel, plan_report
 from zero_offload.tuning.cpu_adam import memory_floor, supported_variants
-from zero_offload.units import format_bytes, format_gb
-from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss, load_corpus
+from zero_offload.tuning.cpuinfo import cpu_model
+from zero_offload.units import format_gb
+from zero_offload.workloads import load_corpus
 
+# %%
 SMOKE = os.environ.get("ZO_SMOKE") == "1"
 # Training runs and most timings use one torch thread, as lesson 3 does: on a 2-core machine that runs anything
 # else, a 2-thread parallel region waits for a thread that is not scheduled. Sections 1 and 3 compare on two, as `make bench`.
@@ -76,25 +68,8 @@ def show(fig, name: str) -> None:
     plots.show(fig, OUT / name)  # saved under out/lessons/04/ and displayed
 
 
-def cpu_flags() -> set[str]:
-    try:
-        return set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:  # macOS: no /proc; the kernel's own check (supported_variants) still answers
-        return set()
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-flags = cpu_flags()
-print(f"{cpu_name()}, {platform.machine()}, {CORES} cores; torch {torch.__version__}; smoke mode: {SMOKE}")
+flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()  # no /proc: macOS
+print(f"{cpu_model()}, {platform.machine()}, {CORES} cores; torch {torch.__version__}; smoke mode: {SMOKE}")
 print("CPU flags:", ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in ("avx2", "fma", "f16c", "avx512f")))
 print(f"C Adam variants this CPU runs: {', '.join(supported_variants())}")
 print(f"figures go to {OUT.relative_to(ROOT)}/")
@@ -153,69 +128,17 @@ print(f"  Adam                       {FLOPS / 28:6.2f} flop/byte  -> Adam is {ma
 # 数组小到能放进缓存时，内存不是瓶颈，测到的就是算术的上限；数组远大于最后一级缓存时，测到的是内存的上限。
 #
 # 为了量内核本身（而不是 Python 的参数检查），下面直接通过 cffi 调用 C 函数 `zo_adam_update`：
-# 先按 `cpu_adam.h` 里的结构体 `zo_adam_args` 填好指针和超参数，计时只包含 C 调用。
+# `zero_offload/lessons/tuning_kernel.py` 的 `raw_kernel` 先按 `cpu_adam.h` 里的结构体 `zo_adam_args` 填好指针和超参数，计时只包含 C 调用；
+# 每一轮把每种内核、每个尺寸各测一次，取各轮的中位数。
 
 # %%
-FFI, LIB = KERNEL.ffi, KERNEL.lib
-VARIANT_ID = {"scalar": 0, "avx2": 1, "avx512": 2}
-
-
-def raw_kernel(n: int, variant: str = "avx2", threads: int = 1, floor: bool = False):
-    """A zero-argument call of the C function on its own fresh fp32 buffers (no Python checks on the timed path)."""
-    w, g, m, v = torch.zeros(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
-    args = FFI.new("zo_adam_args *")
-    args.param, args.exp_avg, args.exp_avg_sq = (FFI.cast("float *", t.data_ptr()) for t in (w, m, v))
-    args.grad, args.out, args.n = FFI.cast("void *", g.data_ptr()), FFI.NULL, n
-    args.grad_dtype = args.out_dtype = args.adamw = 0  # fp32 gradients, no 16-bit output, Adam with L2 decay
-    args.beta1, args.one_minus_beta1, args.beta2, args.one_minus_beta2 = 0.9, 0.1, 0.999, 0.001
-    args.eps, args.weight_decay, args.decay, args.grad_scale = 1e-8, 0.0, 1.0, 1.0
-    args.step_size, args.bias_correction2_sqrt = 1e-3 / (1 - 0.9), math.sqrt(1 - 0.999)  # step 1
-    keep = (w, g, m, v, args)  # the closure keeps the buffers alive
-    if floor:
-        return lambda keep=keep: LIB.zo_memory_floor(keep[-1], threads)
-    return lambda keep=keep: LIB.zo_adam_update(keep[-1], VARIANT_ID[variant], threads)
-
-
 SWEEP_SIZES = [2**k for k in (range(12, 19, 2) if SMOKE else range(12, 24))]  # 4K .. 8M parameters
-SWEEP_KINDS = {"C scalar": dict(variant="scalar"), "C avx2": dict(variant="avx2"), "memory floor": dict(floor=True)}
 SWEEP_ELEMENTS = 2**20 if SMOKE else 4 * 2**20  # elements per timing: small arrays are called many times
-SWEEP_ROUNDS = 3 if SMOKE else 7
-calls = {(kind, n): raw_kernel(n, **kw) for kind, kw in SWEEP_KINDS.items() for n in SWEEP_SIZES}
-sweep = {key: [] for key in calls}
-for _ in range(SWEEP_ROUNDS):  # every round visits every (kind, size): a busy spell hits all of them alike
-    for (kind, n), fn in calls.items():
-        repeat = max(1, SWEEP_ELEMENTS // n)
-        fn()
-        started = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        sweep[kind, n].append((time.perf_counter() - started) / repeat)
-del calls
-sweep_gbs = {key: 28 * key[1] / statistics.median(times) / 1e9 for key, times in sweep.items()}
-print(f"{'parameters':>11}{'working set':>13}" + "".join(f"{k + ' GB/s':>20}" for k in SWEEP_KINDS))
-for n in SWEEP_SIZES:
-    print(f"{n:>11,}{format_bytes(16 * n):>13}" + "".join(f"{sweep_gbs[k, n]:>20.1f}" for k in SWEEP_KINDS))
-in_cache = statistics.median(sweep_gbs["C avx2", n] for n in SWEEP_SIZES if 16 * n <= 2**20)
-in_dram = sweep_gbs["C avx2", SWEEP_SIZES[-1]]
-print(f"\nC avx2: {in_cache:.1f} GB/s with the working set in L2, {in_dram:.1f} GB/s at {format_bytes(16 * SWEEP_SIZES[-1])}"
-      f" ({in_cache / in_dram:.1f}x); C scalar: {statistics.median(sweep_gbs['C scalar', n] for n in SWEEP_SIZES):.1f}"
-      " GB/s at every size")
+sweep_gbs = tuning_kernel.roofline_sweep(KERNEL, SWEEP_SIZES, elements=SWEEP_ELEMENTS, rounds=3 if SMOKE else 7)
+print(tuning_kernel.format_sweep(sweep_gbs, SWEEP_SIZES))
 
 # %%
-fig, ax = plt.subplots(figsize=(7.5, 4.2))
-ws = np.array(SWEEP_SIZES) * 16 / 2**20
-for kind, style in zip(SWEEP_KINDS, ("s-", "o-", "k--"), strict=True):
-    ax.plot(ws, [sweep_gbs[kind, n] for n in SWEEP_SIZES], style, label=kind, markersize=4)
-for size, label in ((1, "L2 (1 MiB a core)"), (32, "L3 (32 MiB)")):
-    ax.axvline(size, color="gray", linewidth=1, linestyle=":")
-    ax.text(size * 1.1, ax.get_ylim()[1] * 0.92, label, fontsize=8, color="gray")
-ax.set_xscale("log", base=2)
-ax.set_xlabel("working set: w, g, m, v (MiB)")
-ax.set_ylabel("GB/s at 28 bytes a parameter")
-ax.set_title("One thread: the same kernel in cache and in DRAM")
-ax.legend(fontsize=8)
-ax.grid(alpha=0.3, which="both")
-show(fig, "adam_roofline_sweep.png")
+show(tuning_plots.roofline_sweep(sweep_gbs, SWEEP_SIZES, tuning_kernel.SWEEP_KINDS), "adam_roofline_sweep.png")
 
 # %% [markdown]
 # 读这张图（缓存大小是这台 AMD EPYC 的：每核 1 MiB L2，共享 32 MiB L3；你的机器用 `lscpu` 查）：
@@ -243,21 +166,7 @@ for name, why in adam_results["skipped"].items():
     print(f"{name}: not measured ({why})")
 
 # %%
-fig, ax = plt.subplots(figsize=(7.5, 4))
-names = list(impl_ms)
-gbs = [28 * IMPL_N / impl_ms[n] / 1e6 for n in names]
-colors = ["tab:blue" if n.startswith("ours") else "tab:gray" for n in names]
-ax.barh(names, gbs, color=colors)
-for y, value in enumerate(gbs):
-    ax.text(value, y, f" {value:.1f}", va="center", fontsize=8)
-floor_gbs = 28 * IMPL_N / impl_floor / 1e6
-ax.axvline(floor_gbs, color="black", linestyle="--", label=f"memory floor {floor_gbs:.1f} GB/s")
-ax.invert_yaxis()
-ax.set_xlim(0, 1.15 * max(max(gbs), floor_gbs))
-ax.set_xlabel("GB/s (28 bytes a parameter)")
-ax.set_title(f"Adam step, {IMPL_N / 1e6:.1f}M fp32 params, 2 threads")
-ax.legend(fontsize=8, loc="upper right")
-show(fig, "adam_implementations.png")
+show(tuning_plots.implementations(impl_ms, impl_floor, IMPL_N), "adam_implementations.png")
 
 # %% [markdown]
 # - 朴素实现（第 1 课的 `basics.Adam`）每个公式一个 torch 运算，每个运算扫一遍内存并分配临时张量，远离下限；
@@ -275,19 +184,9 @@ show(fig, "adam_implementations.png")
 # `src/zero_offload/tuning/csrc/cpu_adam.c` 不到 400 行。核心是 AVX2 循环（它就是实验 4.1 要你写的部分），直接从源文件里取出来看：
 
 # %%
-SOURCE_LINES = build.SOURCE.read_text().splitlines()
-
-
-def excerpt(first: str, last: str) -> list[str]:
-    """The source lines from the first one containing `first` through the next one containing `last`."""
-    start = next(i for i, line in enumerate(SOURCE_LINES) if first in line)
-    end = next(i for i in range(start, len(SOURCE_LINES)) if last in SOURCE_LINES[i])
-    return SOURCE_LINES[start : end + 1]
-
-
-print("\n".join(excerpt("for (; i + 8 <= end; i += 8)", "END LAB 4.1")))
+print("\n".join(tuning_kernel.source_excerpt("for (; i + 8 <= end; i += 8)", "END LAB 4.1")))
 print("    ...")
-print("\n".join(excerpt("BEGIN LAB 4.3", "END LAB 4.3")))
+print("\n".join(tuning_kernel.source_excerpt("BEGIN LAB 4.3", "END LAB 4.3")))
 
 # %% [markdown]
 # 逐行的道理：
@@ -305,62 +204,18 @@ print("\n".join(excerpt("BEGIN LAB 4.3", "END LAB 4.3")))
 # 先验证它算得对：与 `torch.optim.Adam`、`torch.optim.AdamW` 对照 10 步，再看向量与标量两个变体差多少。
 
 # %%
-def run_ours(n, steps, *, adamw, variant, out_dtype=None, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, generator=gen)
-    m, v = torch.zeros(n), torch.zeros(n)
-    out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
-    for step in range(1, steps + 1):
-        g = torch.randn(n, generator=gen)
-        adam_update(w, g * 8, m, v, step=step, lr=1e-3, weight_decay=0.01, adamw=adamw, grad_scale=1 / 8,
-                    out=out, variant=variant, threads=1)
-    return w, out
-
-
-def run_torch(n, steps, *, adamw, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, generator=gen).requires_grad_()
-    opt = (torch.optim.AdamW if adamw else torch.optim.Adam)([w], lr=1e-3, weight_decay=0.01)
-    for _ in range(steps):
-        w.grad = torch.randn(n, generator=gen)
-        opt.step()
-    return w.detach()
-
-
 N_CHECK, STEPS_CHECK = 100_003, 10  # an odd length: the tail runs too
 print(f"{N_CHECK:,} parameters, {STEPS_CHECK} steps, lr 1e-3, weight decay 0.01, gradient x 8 then grad_scale 1/8\n")
-for adamw in (False, True):
-    reference = run_torch(N_CHECK, STEPS_CHECK, adamw=adamw)
-    got = {variant: run_ours(N_CHECK, STEPS_CHECK, adamw=adamw, variant=variant)[0]
-           for variant in supported_variants()}
-    name = "AdamW" if adamw else "Adam (L2)"
-    for variant, w in got.items():
-        rel = float(torch.linalg.vector_norm(w - reference) / torch.linalg.vector_norm(reference))
-        print(f"{name:<10} {variant:<7} vs torch.optim.{'AdamW' if adamw else 'Adam'}: relative error {rel:.1e}, "
-              f"max |diff| {float((w - reference).abs().max()):.1e}")
-    if "avx2" in got:
-        diff = got["avx2"] != got["scalar"]
-        print(f"{name:<10} avx2 vs scalar: {int(diff.sum()):,} of {N_CHECK:,} weights differ, "
-              f"max |diff| {float((got['avx2'] - got['scalar']).abs().max()):.1e} (FMA rounds once)\n")
+print(tuning_kernel.parity_report(N_CHECK, STEPS_CHECK))  # run_ours / run_torch: the same seeded gradients
 
 # %% [markdown]
 # 尾巴：长度 n = 8k + r 时，向量循环做前 8k 个，标量循环做最后 r 个。把长度为 n 的视图放在一块更长的缓冲里，
 # 后面留几个"哨兵"值，检查每个元素都更新了、哨兵一个没动：
 
 # %%
-SENTINEL = 12345.0
 print(f"{'n':>5}{'vector loop':>13}{'scalar tail':>13}{'all updated':>13}{'guard intact':>14}")
-for n in (1, 7, 8, 9, 15, 16, 17, 1003):
-    buffers = [torch.full((n + 8,), SENTINEL) for _ in range(3)]
-    w, m, v = (b[:n] for b in buffers)
-    w.fill_(1.0)
-    m.zero_()
-    v.zero_()
-    adam_update(w, torch.ones(n), m, v, step=1, lr=0.1, variant=supported_variants()[-1], threads=1)
-    updated = bool((w != 1.0).all())
-    intact = all(bool((b[n:] == SENTINEL).all()) for b in buffers)
-    vector = n // 8 * 8 if "avx2" in supported_variants() else 0
-    print(f"{n:>5}{vector:>13}{n - vector:>13}{updated!s:>13}{intact!s:>14}")
+for n, vector, tail, updated, intact in tuning_kernel.tail_rows((1, 7, 8, 9, 15, 16, 17, 1003)):
+    print(f"{n:>5}{vector:>13}{tail:>13}{updated!s:>13}{intact!s:>14}")
 
 # %% [markdown]
 # ### 就近舍入到偶数：F16C 与整数通道里的 bf16
@@ -376,20 +231,11 @@ for n in (1, 7, 8, 9, 15, 16, 17, 1003):
 # lr 设为 0，权重只被舍入，与 torch 的转换逐位比较，包括平局、次正规数、溢出和 NaN：
 
 # %%
-EDGES = [1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2049.0, 2**-24, 3 * 2**-25, 2**-25,
-         6.1e-5, 65504.0, 65519.0, 65520.0, 1e6, 3e38, float("inf"), float("-inf"), -0.0, 1e-40, float("nan")]
+EDGES = tuning_kernel.EDGES  # ties, subnormals, overflow, inf, -0.0, nan
 values = torch.cat([torch.tensor(EDGES), torch.randn(100_000) * torch.logspace(-8, 6, 100_000)])
 print(f"{values.numel():,} values: {len(EDGES)} edge cases (ties, subnormals, overflow, inf, nan) + random ones\n")
-for dtype, reference in ((torch.float16, values.half()), (torch.bfloat16, values.bfloat16())):
-    for variant in supported_variants():
-        n = values.numel()
-        out = torch.empty(n, dtype=dtype)
-        adam_update(values.clone(), torch.zeros(n), torch.zeros(n), torch.zeros(n), step=1, lr=0.0, out=out,
-                    variant=variant, threads=1)
-        both_nan = out.isnan() & reference.isnan()
-        same_bits = out.view(torch.int16) == reference.view(torch.int16)
-        wrong = int((~(same_bits | both_nan)).sum())
-        print(f"{str(dtype).removeprefix('torch.'):<9} {variant:<7} bit-identical to torch: {n - wrong:,} of {n:,}")
+for dtype, variant, same, n in tuning_kernel.rounding_rows(values):
+    print(f"{dtype:<9} {variant:<7} bit-identical to torch: {same:,} of {n:,}")
 ties = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11])
 print(f"\nties: fp16 {ties.tolist()} -> {ties.half().tolist()}; "
       f"bf16 {[1 + 2**-8, 1 + 3 * 2**-8]} -> {torch.tensor([1 + 2**-8, 1 + 3 * 2**-8]).bfloat16().tolist()}")
@@ -400,7 +246,8 @@ print(f"\nties: fp16 {ties.tolist()} -> {ties.half().tolist()}; "
 # 内核**不用** `-march=native` 编译。x86 的向量函数各自带 `__attribute__((target("avx2,fma,f16c")))`，
 # 文件的其余部分是可移植的 C；`zo_adam_update` 在运行时用 `__builtin_cpu_supports` 问 CPU 支持什么，
 # 默认（`variant="auto"`）选最快的那个。于是同一个编译产物能在任何 x86-64 上运行，在 ARM（Apple silicon）上只编译出标量循环。
-# 要一个这台 CPU 没有的变体，得到的是一条说清楚的错误，而不是非法指令崩溃：
+# 要一个这台 CPU 没有的变体，得到的是一条说清楚的错误，而不是非法指令崩溃。下面依次要 avx512 和 avx2：有 AVX-512 的 CPU 上两个都能跑；
+# 没有 AVX-512 时，第一行是 `ValueError: this CPU cannot run the 'avx512' variant; use 'auto' or 'scalar'`。
 
 # %%
 n = 1024
@@ -427,23 +274,7 @@ cached = sorted(p.name for p in build.cache_dir().glob("zo_cpu_adam_*"))
 print(f"cache {build.cache_dir()}: {len(cached)} build(s), e.g. {cached[0] if cached else '-'}")
 print(f"flags: {' '.join(build.FLAGS)}")
 if not SMOKE:  # a compile takes seconds; smoke mode skips it
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        previous = os.environ.get("ZO_CACHE_DIR")
-        os.environ["ZO_CACHE_DIR"] = tmp
-        try:
-            started = time.perf_counter()
-            build.build(name="zo_cpu_adam_lesson")  # another module name: not in this process yet, not in tmp
-            compile_s = time.perf_counter() - started
-            started = time.perf_counter()
-            build.build(name="zo_cpu_adam_lesson")
-            again_s = time.perf_counter() - started
-        finally:
-            if previous is None:
-                os.environ.pop("ZO_CACHE_DIR")
-            else:
-                os.environ["ZO_CACHE_DIR"] = previous
+    compile_s, again_s = tuning_kernel.compile_and_reload_seconds()  # in a temporary ZO_CACHE_DIR
     print(f"compile into an empty cache: {compile_s:.1f} s; the same build() again: {again_s * 1e6:.0f} us")
 
 # %% [markdown]
@@ -455,34 +286,12 @@ if not SMOKE:  # a compile takes seconds; smoke mode skips it
 # 下面在子进程里故意绕过 Python 的检查，让内核在 1000 个元素的缓冲上更新 1003 个：
 
 # %%
-ASAN_SCRIPT = """
-import math, sys, torch
-from zero_offload.tuning.build import build
-k = build(); ffi = k.ffi
-N = int(sys.argv[1])
-w, g, m, v = (torch.zeros(1000) for _ in range(4))
-a = ffi.new("zo_adam_args *")
-a.param, a.exp_avg, a.exp_avg_sq = (ffi.cast("float *", t.data_ptr()) for t in (w, m, v))
-a.grad, a.out, a.n = ffi.cast("void *", g.data_ptr()), ffi.NULL, N
-a.beta1, a.one_minus_beta1, a.beta2, a.one_minus_beta2, a.eps = 0.9, 0.1, 0.999, 0.001, 1e-8
-a.step_size, a.bias_correction2_sqrt, a.grad_scale, a.decay = 1e-2, math.sqrt(1e-3), 1.0, 1.0
-k.lib.zo_adam_update(a, -1, 1)
-print("n =", N, "on 1000 elements: no report")
-"""
+print(tuning_kernel.ASAN_SCRIPT.strip())  # run in a child process with n = 1000, then 1003
 if SMOKE:
     print("smoke mode: skipped (it compiles the kernel with sanitizers)")
 else:
-    libasan = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-    env = dict(os.environ, LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0", ZO_CPU_ADAM_SANITIZE="1")
     for count in (1000, 1003):
-        run = subprocess.run([sys.executable, "-c", ASAN_SCRIPT, str(count)], env=env,
-                             capture_output=True, text=True, timeout=300)
-        report = [line.replace(str(ROOT) + "/", "") for line in (run.stdout + run.stderr).splitlines()]
-        keep = [line for line in report if "no report" in line or "ERROR: AddressSanitizer" in line
-                or " in adam_" in line or "READ of size" in line or "WRITE of size" in line
-                or "located" in line]
-        print(f"n = {count}: exit code {run.returncode}")
-        print(textwrap.indent("\n".join(keep[:6]), "    "))
+        print(tuning_kernel.sanitizer_report(count, ROOT))
 
 # %% [markdown]
 # n = 1003 时 ASan 在第一次越界读就停下，报告指向 `adam_scalar`，也就是尾巴那一行：缓冲后面紧挨着的 4 个字节已经不属于这个张量。
@@ -511,7 +320,7 @@ print(f"\none pass is {pipeline_ms / one_pass_ms:.2f}x faster than the torch pip
       "of its floor")
 
 # %% [markdown]
-# 字节数解释了大部分差距：torch 的流水线每个参数搬 48 字节，一遍扫描 28 字节。实测倍数比 48/28 更大时，多出的部分来自
+# 字节数是差距的下限：torch 的流水线每个参数搬 48 字节，一遍扫描 28 字节。实测倍数比 48/28 更大时（一台忙的机器上可以大得多），多出的部分来自
 # 流水线每一步都**新分配**的 4 字节/参数的 fp32 梯度张量（`grad16.float()`）：新分配的页第一次写入时要由操作系统清零、
 # 建立映射，这也是内存流量和时间；另外三遍各自是一次 Python 调用，小模型上调用本身的开销也占了一份。第 3 课的引擎（`"cpu_adam": {"impl": "torch"}`）也是分几遍做的：梯度在下行时升精度、累加，
 # Adam 之后 `publish` 再单独扫一遍舍入成 fp16。卸载后的默认实现 `"simd"` 把 Adam 与舍入并成一遍
@@ -529,55 +338,12 @@ print(f"\none pass is {pipeline_ms / one_pass_ms:.2f}x faster than the torch pip
 MAX_THREADS = CORES if SMOKE else 2 * CORES
 THREAD_N = 524_288 if SMOKE else 4_000_000
 THREAD_ROUNDS = 3 if SMOKE else 7
-flush_src, flush_dst = torch.ones(bandwidth.FLUSH_BYTES // 4), torch.empty(bandwidth.FLUSH_BYTES // 4)
-w32, g32, m32, v32 = torch.zeros(THREAD_N), torch.randn(THREAD_N), torch.zeros(THREAD_N), torch.zeros(THREAD_N)
-out16 = torch.empty(THREAD_N, dtype=torch.float16)
-torch_param = torch.zeros(THREAD_N, requires_grad=True)
-torch_param.grad = torch.randn(THREAD_N)
-torch_adam = torch.optim.Adam([torch_param], lr=1e-3, fused=True)
-THREAD_KINDS = {  # name -> (bytes a parameter, one step on t threads)
-    "C fp32": (28, lambda t: adam_update(w32, g32, m32, v32, step=1, lr=1e-3, threads=t)),
-    "C fp32 -> fp16": (30, lambda t: adam_update(w32, g32, m32, v32, step=1, lr=1e-3, out=out16, threads=t)),
-    "torch fused": (28, lambda t: torch_adam.step()),
-    "memory floor": (28, lambda t: memory_floor(w32, g32, m32, v32, threads=t)),
-}
-thread_times = {(kind, t): [] for kind in THREAD_KINDS for t in range(1, MAX_THREADS + 1)}
-for _ in range(THREAD_ROUNDS):
-    for t in range(1, MAX_THREADS + 1):
-        torch.set_num_threads(t)  # torch's pool is resized here, untimed
-        for kind, (_, step) in THREAD_KINDS.items():
-            step(t)  # warm: a resized pool starts its threads on first use
-            flush_dst.copy_(flush_src)
-            started = time.perf_counter()
-            step(t)
-            thread_times[kind, t].append(time.perf_counter() - started)
-torch.set_num_threads(1)
-rates = {key: THREAD_N / statistics.median(times) for key, times in thread_times.items()}
-print(f"{THREAD_N:,} parameters, cold caches; million parameters/s (GB/s); medians of {THREAD_ROUNDS} rounds\n")
-print(f"{'threads':>7}" + "".join(f"{kind:>18}" for kind in THREAD_KINDS))
-for t in range(1, MAX_THREADS + 1):
-    cells = [f"{rates[k, t] / 1e6:.0f} ({nbytes * rates[k, t] / 1e9:4.1f})" for k, (nbytes, _) in THREAD_KINDS.items()]
-    print(f"{t:>7}" + "".join(f"{c:>18}" for c in cells))
-best = {kind: max(range(1, MAX_THREADS + 1), key=lambda t, k=kind: rates[k, t]) for kind in THREAD_KINDS}
-print("\nfastest thread count: " + ", ".join(f"{k} {t}" for k, t in best.items()))
-print(f"C fp32 at {CORES} threads vs 1: {rates['C fp32', CORES] / rates['C fp32', 1]:.2f}x; "
-      f"memory floor: {rates['memory floor', CORES] / rates['memory floor', 1]:.2f}x")
+THREAD_KINDS = tuning_threads.thread_kinds(THREAD_N)  # C fp32, C fp32 -> fp16, torch fused, memory floor
+rates = tuning_threads.thread_sweep(THREAD_KINDS, THREAD_N, MAX_THREADS, THREAD_ROUNDS)
+print(tuning_threads.format_threads(rates, THREAD_KINDS, THREAD_N, MAX_THREADS, THREAD_ROUNDS, CORES))
 
 # %%
-fig, ax = plt.subplots(figsize=(7, 4))
-xs = list(range(1, MAX_THREADS + 1))
-for kind, style in zip(THREAD_KINDS, ("o-", "s-", "^-", "k--"), strict=True):
-    ax.plot(xs, [rates[kind, t] / 1e6 for t in xs], style, label=kind)
-ax.axvline(CORES, color="gray", linestyle=":", linewidth=1)
-ax.text(CORES, 0, f" {CORES} cores", fontsize=8, color="gray", va="bottom", transform=ax.get_xaxis_transform())
-ax.set_xticks(xs)
-ax.set_ylim(bottom=0)
-ax.set_xlabel("threads")
-ax.set_ylabel("million parameters per second")
-ax.set_title(f"CPU Adam throughput vs threads ({THREAD_N / 1e6:.1f}M params, cold caches)")
-ax.legend(fontsize=8)
-ax.grid(alpha=0.3)
-show(fig, "adam_threads.png")
+show(tuning_plots.threads(rates, THREAD_KINDS, MAX_THREADS, CORES, THREAD_N), "adam_threads.png")
 
 # %% [markdown]
 # 在一台空闲的机器上：一个核能同时等待的缓存行数有限，所以一个线程常常跑不满内存带宽，第二个线程还有用；
@@ -590,13 +356,9 @@ show(fig, "adam_threads.png")
 # 线程还有固定成本。每次调用要做 Python 这一层的检查、经过 cffi，多线程时还要创建、回收线程。用小张量量一下每次调用的开销：
 
 # %%
-small = [torch.zeros(1024) for _ in range(4)]
-small_out = torch.empty(1024, dtype=torch.float16)
 for t in (1, 2):
-    per_call = bandwidth.median_seconds(
-        lambda t=t: [adam_update(*small, step=1, lr=1e-3, out=small_out, threads=t) for _ in range(200)], repeats=5
-    ) / 200
-    print(f"adam_update on 1,024 parameters, {t} thread(s): {per_call * 1e6:.0f} us a call")
+    per_call = tuning_threads.call_overhead_us(t, n=1024)  # fp32 in, fp16 out, 200 calls a timing
+    print(f"adam_update on 1,024 parameters, {t} thread(s): {per_call:.0f} us a call")
 
 # %% [markdown]
 # 引擎每步对每个单元调用一次（`TinyGPT("small")` 有 39 个单元），所以这个固定开销乘以单元数就是每步多出来的时间，
@@ -611,62 +373,9 @@ for t in (1, 2):
 # %%
 CONTEND_N = 524_288 if SMOKE else 4_000_000
 CONTEND_PAIRS = ((1, 1), (2, 1), (2, 2)) if CORES == 2 else ((1, CORES - 1), (CORES, 1), (CORES, CORES))
-contend_buffers = [torch.zeros(CONTEND_N), torch.randn(CONTEND_N).half(), torch.zeros(CONTEND_N),
-                   torch.zeros(CONTEND_N), torch.empty(CONTEND_N, dtype=torch.float16)]
-
-
-def adam_ms(threads: int, seconds: float) -> float:
-    """Median ms of the C Adam called again and again for `seconds` (at least 5 calls)."""
-    w, g, m, v, out = contend_buffers
-    times, until = [], time.perf_counter() + seconds
-    while len(times) < 5 or time.perf_counter() < until:
-        started = time.perf_counter()
-        adam_update(w, g, m, v, step=1, lr=1e-3, out=out, threads=threads)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
-
-
-def matmuls(stop: threading.Event, counter: list) -> None:
-    a = torch.randn(256, 256)
-    while not stop.is_set():
-        torch.mm(a, a)
-        counter[0] += 1
-
-
-def run_pair(torch_threads: int, adam_threads: int | None, seconds: float = 0.1 if SMOKE else 0.3):
-    """(matmuls/s, Adam ms) with a matmul loop on torch_threads and, unless None, the C Adam at the same time."""
-    torch.set_num_threads(torch_threads)
-    stop, counter = threading.Event(), [0]
-    worker = threading.Thread(target=matmuls, args=(stop, counter))
-    worker.start()
-    time.sleep(0.05)  # let the loop get going
-    count0, started = counter[0], time.perf_counter()
-    ms = adam_ms(adam_threads, seconds) if adam_threads else time.sleep(seconds)
-    rate = (counter[0] - count0) / (time.perf_counter() - started)
-    stop.set()
-    worker.join()
-    torch.set_num_threads(1)
-    return rate, ms
-
-
-pair_results = {pair: {"mm alone": [], "adam alone": [], "mm busy": [], "adam busy": []} for pair in CONTEND_PAIRS}
-for _ in range(2 if SMOKE else 3):
-    for torch_threads, adam_threads in CONTEND_PAIRS:
-        r = pair_results[torch_threads, adam_threads]
-        r["mm alone"].append(run_pair(torch_threads, None)[0])
-        r["adam alone"].append(adam_ms(adam_threads, 0.1 if SMOKE else 0.3))
-        rate, ms = run_pair(torch_threads, adam_threads)
-        r["mm busy"].append(rate)
-        r["adam busy"].append(ms)
-print(f"C Adam over {CONTEND_N:,} parameters (fp16 in, fp16 out) and torch.mm 256 x 256 in a loop, {CORES} cores\n")
-print(f"{'torch threads':>13}{'Adam threads':>13}{'sum':>5}{'Adam ms alone':>15}{'together':>10}"
-      f"{'matmuls/s alone':>17}{'together':>10}{'work done together':>20}")
-for (torch_threads, adam_threads), r in pair_results.items():
-    med = {k: statistics.median(v) for k, v in r.items()}
-    # Each side's speed together as a share of its speed alone, added up: 2.0 if they never got in each other's way.
-    work = med["adam alone"] / med["adam busy"] + med["mm busy"] / med["mm alone"]
-    print(f"{torch_threads:>13}{adam_threads:>13}{torch_threads + adam_threads:>5}{med['adam alone']:>15.2f}"
-          f"{med['adam busy']:>10.2f}{med['mm alone']:>17,.0f}{med['mm busy']:>10,.0f}{work:>20.2f}")
+contention = tuning_threads.Contention(CONTEND_N, seconds=0.1 if SMOKE else 0.3)
+pair_medians = contention.measure(CONTEND_PAIRS, rounds=2 if SMOKE else 3)  # alone, then together, each round
+print(tuning_threads.format_contention(pair_medians, CONTEND_N, CORES))
 
 # %% [markdown]
 # 最后一列把两边一起跑时各自保住的速度（占单独跑时的比例）加起来：两边互不妨碍时是 2.0，越低说明互相挤得越厉害。
@@ -690,81 +399,12 @@ for (torch_threads, adam_threads), r in pair_results.items():
 PARTIAL_MODEL = "nano" if SMOKE else "small"
 PARTIAL_STEPS = 3 if SMOKE else 8
 RATIOS = (None, 0.25, 0.5, 1.0)  # None: stage 2 without offload
-
-
-def partial_config(ratio) -> dict:
-    zero = {"stage": 2}
-    if ratio is not None:
-        zero["offload_optimizer"] = {"device": "cpu", "ratio": ratio}
-    return {
-        "train_batch_size": 4,
-        "fp16": {"enabled": True, "initial_scale_power": 12},
-        "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-        "zero_optimization": zero,
-        "zero_offload": {"cpu_adam": {"impl": "simd", "threads": 1}},
-    }
-
-
-partial = {}
-for ratio in RATIOS:
-    engine = zo.initialize(TinyGPT(PARTIAL_MODEL), partial_config(ratio), accelerator=EmulatedAccelerator())
-    data = ByteBatches(CORPUS, engine.model.cfg.seq_len)
-    losses = []
-    for step in range(PARTIAL_STEPS):
-        x, y = data.global_batch(step, 4)
-        loss = lm_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    report = engine.memory_report()
-    states = engine.states
-    transfers = getattr(states, "transfers", None)
-    adam = [h["adam_seconds"] for h in engine.history[1:] if not h["overflow"]]  # step 0 touches fresh pages
-    partial[ratio] = dict(
-        params=engine.num_params, device=report.measured.device, host=report.measured.host,
-        staging=report.host_staging, host_fraction=getattr(states, "host_fraction", 0.0),
-        host_units=getattr(states, "host_units", 0), units=len(states.units),
-        pcie=0 if transfers is None else (transfers.bytes["d2h"] + transfers.bytes["h2d"]) / PARTIAL_STEPS,
-        adam_s=statistics.median(adam) if adam else 0.0, losses=losses,
-    )
-
-n_partial = partial[1.0]["params"]
-print(f"TinyGPT('{PARTIAL_MODEL}'): {n_partial:,} parameters, fp16, stage 2, {PARTIAL_STEPS} steps\n")
-print(f"{'offload ratio':<14}{'host units':>11}{'host share':>11}{'device':>11}{'host':>11}{'staging':>11}"
-      f"{'PCIe/step':>11}{'CPU Adam ms':>13}")
-for ratio, r in partial.items():
-    label = "none" if ratio is None else f"{ratio:g}"
-    adam_cell = "-" if ratio is None else f"{r['adam_s'] * 1e3:.2f}"  # no offload: no CPU step at all
-    print(f"{label:<14}{r['host_units']:>5} of {r['units']:<4}{r['host_fraction']:>10.1%}{format_bytes(r['device']):>11}"
-          f"{format_bytes(r['host']):>11}{format_bytes(r['staging']):>11}{format_bytes(r['pcie']):>11}"
-          f"{adam_cell:>13}")
-print("\nmax |loss difference| from the full offload over the run: " + ", ".join(
-    f"{'no offload' if ratio is None else f'ratio {ratio:g}'} {max(abs(a - b) for a, b in zip(r['losses'], partial[1.0]['losses'], strict=True)):.1e}"
-    for ratio, r in partial.items() if ratio != 1.0))
+print(tuning_partial.partial_config(0.25))  # the configuration of one run
+partial = {ratio: tuning_partial.partial_run(PARTIAL_MODEL, ratio, PARTIAL_STEPS, CORPUS) for ratio in RATIOS}
+print(tuning_partial.format_partial(partial, PARTIAL_MODEL, PARTIAL_STEPS))
 
 # %%
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-labels = ["no offload" if r is None else f"ratio {r:g}" for r in partial]
-pos = np.arange(len(labels))
-for offset, tier, color in ((-0.2, "device", "tab:red"), (0.2, "host", "tab:blue")):
-    values = [partial[r][tier] / 2**20 for r in partial]
-    ax1.bar(pos + offset, values, 0.4, color=color, label=f"{tier} (model states)")
-    for p, v in zip(pos + offset, values, strict=True):
-        ax1.text(p, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
-ax1.set_xticks(pos, labels)
-ax1.set_ylabel("MiB")
-ax1.set_title(f"TinyGPT('{PARTIAL_MODEL}'): bytes per tier")
-ax1.legend(fontsize=8)
-offloaded = [r for r in partial if r is not None]
-adam_ms = [partial[r]["adam_s"] * 1e3 for r in offloaded]
-ax2.bar(np.arange(len(offloaded)), adam_ms, 0.5, color="tab:green")
-for p, v in enumerate(adam_ms):
-    ax2.text(p, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
-ax2.set_xticks(np.arange(len(offloaded)), [f"ratio {r:g}" for r in offloaded])
-ax2.set_ylabel("ms per step (median)")
-ax2.set_title("CPU Adam time per step (adam_seconds)")
-show(fig, "partial_offload.png")
+show(tuning_plots.partial_offload(partial, PARTIAL_MODEL), "partial_offload.png")
 
 # %% [markdown]
 # - 主机上的字节、PCIe 流量和 CPU Adam 的时间都大致与主机份额成正比；设备上的字节反方向变化。
@@ -856,23 +496,7 @@ for batch in (1, 2, 4, 8, 16, 32, 64):
 # %%
 batches = [1, 2, 4, 8, 16, 32, 64]
 times = [perfmodel.plan(one_gpu, replace(wl13_recompute, batch=b), 2, "optimizer").time for b in batches]
-tokens = np.array(batches) * wl13.seq_len
-fig, ax = plt.subplots(figsize=(7.5, 4))
-pos = np.arange(len(batches))
-bottom = np.zeros(len(batches))
-for part, color in (("compute", "tab:green"), ("pcie", "tab:orange"), ("cpu_adam", "tab:blue")):
-    share = np.array([getattr(t, part) for t in times]) * 1e3 / tokens  # ms per 1,000 tokens
-    ax.bar(pos, share * 1e3, 0.6, bottom=bottom, color=color, label={"pcie": "PCIe, down then up (2 + 2 bytes/param)",
-           "cpu_adam": "CPU Adam", "compute": "GPU compute (8 P tokens)"}[part])
-    bottom += share * 1e3
-ax.plot(pos, [t.overlapped * 1e6 / k for t, k in zip(times, tokens, strict=True)], "k_", markersize=22,
-        markeredgewidth=2, label="overlapped: the busiest resource")
-ax.set_xticks(pos, [str(b) for b in batches])
-ax.set_xlabel("micro-batch (sequences of 1024 tokens)")
-ax.set_ylabel("ms per 1,000 tokens")
-ax.set_title("13B, one A100-80GB, stage 2 + offload: serial step split per token")
-ax.legend(fontsize=8)
-show(fig, "step_parts_vs_batch.png")
+show(tuning_plots.step_parts(batches, times, wl13.seq_len), "step_parts_vs_batch.png")
 
 # %% [markdown]
 # 计算随批大小线性增长，PCIe 和 CPU Adam 是每步固定的一笔。批大到计算压过它们之后，完全重叠时卸载的代价是零（瓶颈是 GPU），
@@ -890,17 +514,7 @@ show(fig, "step_parts_vs_batch.png")
 hw_here = perfmodel.calibrate(threads=1, precision="fp16", numel=1_000_000 if SMOKE else 4_000_000,
                               repeats=3 if SMOKE else 5)
 torch.set_num_threads(1)
-print(hw_here.notes)
-print(f"CPU Adam: {hw_here.cpu_adam_params_per_s / 1e6:.0f} M params/s, {hw_here.cpu_adam_call_seconds * 1e6:.0f} us "
-      f"a call; memory traffic {hw_here.host_memory_gb_per_s:.1f} GB/s; matmul {hw_here.gpu_tflops * 1e3:.0f} GFLOP/s\n")
-print(f"{'offload ratio':<14}{'host params':>12}{'calls':>7}{'predicted ms':>14}{'measured ms':>13}{'measured/predicted':>20}")
-for ratio, r in partial.items():
-    if ratio is None:
-        continue
-    host_params = r["host_fraction"] * r["params"]
-    predicted = perfmodel.cpu_adam_seconds(hw_here, host_params, r["host_units"])
-    print(f"{ratio:<14g}{host_params:>12,.0f}{r['host_units']:>7}{predicted * 1e3:>14.2f}{r['adam_s'] * 1e3:>13.2f}"
-          f"{r['adam_s'] / predicted:>20.2f}")
+print(tuning_partial.format_calibration(hw_here, partial))  # predicted with hw_here against section 5's runs
 
 # %% [markdown]
 # 模型只用两个数（每次调用的开销、每秒更新的参数）就把各个 ratio 的 CPU 步都预测了出来。实测与预测之比偏离 1 的部分来自：
@@ -927,14 +541,7 @@ print(plan_report.format_layouts(parallel.plan_layouts(A100, wl70)))
 
 # %%
 def show_advice(title: str, hw, wl, stage: int, offload: str, rules=None) -> None:
-    chosen = perfmodel.plan(hw, wl, stage, offload)
-    print(f"{title}\n  {wl.params / 1e9:g}B params, batch {wl.batch}, {hw.gpus} x {format_gb(hw.gpu_memory)}, "
-          f"host {format_gb(hw.host_memory)}: {chosen.label}, predicted {chosen.time.serial:.3g} s a step")
-    for advice in advisor.advise(hw, wl, chosen, perfmodel.plan_all(hw, wl)):
-        if rules is None or advice.rule in rules:
-            print(textwrap.fill(f"{advice.level}: [{advice.rule}] {advice.message}", 118,
-                                initial_indent="  ", subsequent_indent="      "))
-    print()
+    print(tuning_partial.format_advice(title, hw, wl, stage, offload, rules))
 
 
 show_advice("1. 'Offload is always faster' -- a 1.3B model that fits on the GPU anyway",

@@ -34,18 +34,10 @@
 # （`python tools/run_lessons.py --smoke 05`）。
 
 # %%
-import contextlib
-import errno
-import io
 import json
 import os
-import platform
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -54,25 +46,22 @@ from pathlib import Path
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # progress bars are for the terminal; child processes inherit this
 
-import matplotlib.pyplot as plt
-import numpy as np
 import torch
 from IPython.display import Image, display
 
-import zero_offload as zo
 from zero_offload import plots
-from zero_offload.accelerator import EmulatedAccelerator
-from zero_offload.basics import estimate_model_states
-from zero_offload.cli import main as zo_cli
+from zero_offload.lessons import practice_dpu, practice_nvme, practice_runs, practice_steps
+from zero_offload.lessons.practice_steps import offload_config, weights
 from zero_offload.practice.largest import host_memory_available, largest_without_offload, offloaded_run
-from zero_offload.practice.nvme import NVMeError, SwapFiles
 from zero_offload.practice.run_dir import newest_complete
-from zero_offload.practice.schedules import _restored_threads, compare_schedules, split_cores
-from zero_offload.practice.timeline import STAGES, plot_timeline
+from zero_offload.practice.schedules import compare_schedules, split_cores
+from zero_offload.practice.timeline import plot_timeline
 from zero_offload.tuning import perfmodel
+from zero_offload.tuning.cpuinfo import cpu_model
 from zero_offload.units import format_bytes, format_gb
-from zero_offload.workloads import ByteBatches, TinyGPT, gpt_config, lm_loss, load_corpus
+from zero_offload.workloads import gpt_config, load_corpus
 
+# %%
 SMOKE = os.environ.get("ZO_SMOKE") == "1"
 # One torch thread, as in lessons 3 and 4: on a 2-core machine that runs anything else, a 2-thread parallel region
 # waits for a thread that is not scheduled. compare_schedules sets its own threads and gives them back.
@@ -89,17 +78,7 @@ def show(fig, name: str) -> None:
     plots.show(fig, OUT / name)  # saved under out/lessons/05/ and displayed
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-print(f"{cpu_name()}, {CORES} cores; torch {torch.__version__}; smoke mode: {SMOKE}")
+print(f"{cpu_model()}, {CORES} cores; torch {torch.__version__}; smoke mode: {SMOKE}")
 print(f"figures go to {OUT.relative_to(ROOT)}/")
 
 # %% [markdown]
@@ -162,7 +141,7 @@ for path in split["plots"].values():
     display(Image(filename=path))
 
 # %% [markdown]
-# 这几张图把一步压得太扁。下面用同样的配置再建三个引擎，轮流各跑几步，把**一步**放大，并从时间线里按阶段量出每一步各花了多少：
+# 这几张图把一步压得太扁。下面用同样的配置再建三个引擎，轮流各跑几步，把**一步**放大，并从时间线里按阶段量出每一步各花了多少（`zero_offload/lessons/practice_steps.py` 的 `zoom`）：
 # 前向、反向、CPU 上 Adam 忙了多久（所有 Adam 片段之和），以及反向结束之后设备还要等多久（"反向之后的尾巴"：
 # 串行时是 Adam + 上行；重叠时是没藏住的那部分 Adam 与上行；DPU 时是等上一步的 Adam 收尾、发布权重）。
 #
@@ -170,120 +149,16 @@ for path in split["plots"].values():
 # 拖慢别人、也让自己的下一步白捡一次"不用等"（`compare_schedules` 也是这样做的）。
 
 # %%
-def offload_config(*, batch: int = 1, overlap: bool = False, dpu_start: int | None = None, cores=None,
-                   precision: str = "fp32", clip: float = 0.0, bucket: int = 1_000_000, slots: int = 4) -> dict:
-    """Stage 2 + CPU offload, the C Adam; module 5's switches under "zero_offload" (compare_schedules' config)."""
-    extension = {"cpu_adam": {"impl": "simd"}, "overlap_offload": overlap}
-    if overlap:
-        extension["staging_slots"] = slots
-    if dpu_start is not None:
-        extension["delayed_param_update"] = {"enabled": True, "start_step": dpu_start}
-    if cores is not None:
-        extension["cores"] = {"device": cores[0], "host": cores[1]}
-    config = {
-        "train_batch_size": batch,
-        "gradient_clipping": clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-        # Buckets of about one block, reduced as soon as they fill: gradients leave while backward runs.
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "overlap_comm": True,
-                              "reduce_bucket_size": bucket},
-        "zero_offload": extension,
-    }
-    if precision == "fp16":
-        config["fp16"] = {"enabled": True, "initial_scale_power": 12}
-    return config
-
-
-SCHEDULE_SWITCHES = {"serial": {}, "overlapped": {"overlap": True}, "delayed (DPU)": {"overlap": True, "dpu_start": 2}}
-
-
-def step_spans(engine, step: int):
-    return [s for s in engine.timeline()[0] if s.step == step]
-
-
-def phases(spans) -> dict:
-    """ms of forward, backward, the host's Adam (busy), and the tail: from the end of backward to the step's last span."""
-    ms = {stage: sum((s.end - s.start) * 1e3 for s in spans if s.stage == stage) for stage in ("forward", "backward", "Adam")}
-    backward_end = max(s.end for s in spans if s.stage == "backward")
-    ms["tail after backward"] = max(0.0, (max(s.end for s in spans) - backward_end) * 1e3)
-    return ms
-
-
-def zoom(cores: str, rounds: int, block: int) -> dict:
-    """Three engines taking turns, `block` steps each a round: each step's wall time and phases, and the spans
-    of each engine's median step. A turn ends with engine.synchronize(), so that no update still in flight
-    runs during the next engine's turn; the first round (warm-up) and the first step of every turn (it has no
-    update of the step before to wait for) are not counted."""
-    with _restored_threads():  # the engines pin this thread and set torch's threads: give both back afterwards
-        if cores == "shared":
-            torch.set_num_threads(CORES)
-        pinned = split_cores() if cores == "split" else None
-        data = ByteBatches(CORPUS, S_SEQ, seed=0)
-        engines = {name: zo.initialize(TinyGPT(gpt_config(S_MODEL, seq_len=S_SEQ), seed=0),
-                                       offload_config(cores=pinned, **switches), accelerator=EmulatedAccelerator())
-                   for name, switches in SCHEDULE_SWITCHES.items()}
-        walls = {name: {} for name in engines}
-        for turn in range(rounds):
-            for name, engine in engines.items():
-                for k in range(block):
-                    step = engine.global_steps
-                    x, y = data.global_batch(step, 1)
-                    started = time.perf_counter()
-                    engine.backward(lm_loss(engine(x), y))
-                    engine.step()
-                    if turn > 0 and k > 0:
-                        walls[name][step] = (time.perf_counter() - started) * 1e3
-                engine.synchronize()
-        result = {}
-        for name, engine in engines.items():
-            measured = sorted(walls[name])
-            per_step = {step: phases(step_spans(engine, step)) for step in measured}
-            median_step = sorted(measured, key=lambda k: walls[name][k])[len(measured) // 2]
-            result[name] = {
-                "wall": statistics.median(walls[name][k] for k in measured),
-                **{p: statistics.median(per_step[k][p] for k in measured) for p in per_step[measured[0]]},
-                "spans": step_spans(engine, median_step),
-                "steps": len(measured),
-            }
-        return result
-
-
-def print_phases(zoomed: dict) -> None:
-    print(f"{'schedule':<16}{'step (wall)':>12}{'forward':>9}{'backward':>10}{'CPU Adam':>10}{'tail after backward':>21}")
-    for name, r in zoomed.items():
-        print(f"{name:<16}{r['wall']:>12.1f}{r['forward']:>9.1f}{r['backward']:>10.1f}{r['Adam']:>10.1f}"
-              f"{r['tail after backward']:>21.1f}")
-
-
+print("the overlapped engine's configuration:", json.dumps(offload_config(overlap=True, cores=split_cores())))
 ZOOM_ROUNDS, ZOOM_BLOCK = (2, 3) if SMOKE else (4, 4)  # at most 16 steps an engine: what its timeline keeps
-zoom_split = zoom("split", ZOOM_ROUNDS, ZOOM_BLOCK)
+zoom_split = practice_steps.zoom(S_MODEL, S_SEQ, CORPUS, cores="split", rounds=ZOOM_ROUNDS, block=ZOOM_BLOCK)
 print(f"TinyGPT('{S_MODEL}'), batch 1 x {S_SEQ}, split cores; medians (ms) over "
       f"{zoom_split['serial']['steps']} steps of each schedule\n")
-print_phases(zoom_split)
-
+print(practice_steps.format_phases(zoom_split))
 
 # %%
-def draw_steps(zoomed: dict, title: str, name: str) -> None:
-    """One step of each schedule (the one with the median wall time), lanes per stage, time from its first span."""
-    colors = dict(zip(STAGES, plt.get_cmap("tab10").colors, strict=False))
-    lanes = [s for s in STAGES if any(span.stage == s for r in zoomed.values() for span in r["spans"])]
-    fig, axes = plt.subplots(len(zoomed), 1, figsize=(10, 1.1 + 0.42 * len(lanes) * len(zoomed)), sharex=True)
-    for ax, (schedule, r) in zip(axes, zoomed.items(), strict=True):
-        origin = min(s.start for s in r["spans"])
-        for lane, stage in enumerate(lanes):
-            bars = [((s.start - origin) * 1e3, max((s.end - s.start) * 1e3, 0.05)) for s in r["spans"] if s.stage == stage]
-            ax.broken_barh(bars, (lane - 0.4, 0.8), color=colors[stage])
-        ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
-        ax.invert_yaxis()
-        ax.set_title(f"{schedule}: {r['wall']:.0f} ms a step (median)", fontsize=9, loc="left")
-        ax.grid(axis="x", alpha=0.3)
-    axes[-1].set_xlabel("time within the step (ms)")
-    fig.suptitle(title, fontsize=10)
-    show(fig, name)
-
-
-draw_steps(zoom_split, f"TinyGPT('{S_MODEL}'), batch 1 x {S_SEQ}, split cores: one step of each schedule",
-           "one_step_split.png")
+show(practice_steps.draw_steps(zoom_split, f"TinyGPT('{S_MODEL}'), batch 1 x {S_SEQ}, split cores: one step of each "
+                               "schedule"), "one_step_split.png")
 
 # %% [markdown]
 # 读这张图和上面的表：
@@ -292,9 +167,9 @@ draw_steps(zoom_split, f"TinyGPT('{S_MODEL}'), batch 1 x {S_SEQ}, split cores: o
 #   占的是反向的时间；Adam 和 H2D 全在反向之后，设备等着。"反向之后的尾巴"几乎就是 CPU Adam 加上上行；
 # - **重叠**：下行、累加、Adam、上行都搬到了主机那个核上（下行走拷贝流，上行走另一条上传流：上行要等本单元的 Adam，
 #   若与下行排在同一条按序执行的流里，下一个单元的下行就得跟着等），在反向还没结束时就开始，尾巴只剩几毫秒。
-#   但主机上 Adam 的片段比串行时长得多（它还顺手算了每个单元的梯度范数），反向也不比串行时短：分核只把"算"分开了，
+#   但反向比串行时长（主机上 Adam 片段的总长也与串行时不同：它一个单元一个单元地做，还顺手算了每个单元的梯度范数）：分核只把"算"分开了，
 #   两个核共用同一份内存带宽和 L3 缓存，而在批 1 的小批次上，反向和 Adam 都是搬内存的活
-#   （第 4 章 4.4 节：这台机器上 2 个线程只比 1 个快 1.16 倍）。藏起来的时间，有一部分又以"两边都变慢"的形式还了回来；
+#   （第 4 章 4.4 节：这台机器上第二个线程几乎带不来更多带宽）。藏起来的时间，有一部分又以"两边都变慢"的形式还了回来；
 # - **DPU**：上一步的 Adam 出现在这一步的最前面，与前向同时跑；这一步的反向每做完一个单元，那个单元的新权重就上行，
 #   尾巴只剩等最后几个单元落地。
 #
@@ -310,35 +185,17 @@ draw_steps(zoom_split, f"TinyGPT('{S_MODEL}'), batch 1 x {S_SEQ}, split cores: o
 
 # %%
 TOKEN_SHAPES = [(1, 8), (1, 32)] if SMOKE else [(1, 8), (1, 32), (1, 128), (4, 128)]
-sweep = {}
-for batch, seq_len in TOKEN_SHAPES:
-    sweep[batch, seq_len] = compare_schedules(S_MODEL, batch=batch, seq_len=seq_len, steps=2 if SMOKE else 3,
-                                              rounds=2 if SMOKE else 5, cores="split")
+sweep = {(batch, seq_len): compare_schedules(S_MODEL, batch=batch, seq_len=seq_len, steps=2 if SMOKE else 3,
+                                             rounds=2 if SMOKE else 5, cores="split")
+         for batch, seq_len in TOKEN_SHAPES}
 print(f"TinyGPT('{S_MODEL}'), split cores; median ms per step (interleaved rounds)\n")
-print(f"{'batch x seq':>12}{'tokens':>8}{'serial':>9}{'overlapped':>12}{'DPU':>8}{'overlapped vs serial':>22}{'DPU vs serial':>15}")
-for (batch, seq_len), r in sweep.items():
-    ms = r["median_ms"]
-    print(f"{f'{batch} x {seq_len}':>12}{batch * seq_len:>8}{ms['serial']:>9.1f}{ms['overlapped']:>12.1f}"
-          f"{ms['delayed (DPU)']:>8.1f}{r['overlapped_vs_serial']:>21.2f}x{ms['serial'] / ms['delayed (DPU)']:>14.2f}x")
+print(practice_steps.format_token_sweep(sweep))
 adam_ms = zoom_split["serial"]["Adam"]
 print(f"\nCPU Adam over the whole partition, serial schedule, batch 1 x {S_SEQ} (section 1): {adam_ms:.1f} ms a step "
       "at every batch size")
 
 # %%
-tokens = [b * s for b, s in sweep]
-fig, ax = plt.subplots(figsize=(7.5, 4.2))
-for name, style in (("serial", "o-"), ("overlapped", "s-"), ("delayed (DPU)", "^-")):
-    ax.plot(tokens, [r["median_ms"][name] for r in sweep.values()], style, label=name)
-ax.axhline(adam_ms, color="gray", linestyle="--", linewidth=1, label=f"CPU Adam alone ({adam_ms:.0f} ms)")
-ax.set_xscale("log", base=2)
-ax.set_yscale("log")
-ax.set_xticks(tokens, [f"{b}x{s}" for b, s in sweep])
-ax.set_xlabel("tokens a step (batch x sequence length)")
-ax.set_ylabel("ms per step (median)")
-ax.set_title(f"TinyGPT('{S_MODEL}'), split cores: the device's work grows, Adam's does not")
-ax.legend(fontsize=8)
-ax.grid(alpha=0.3, which="both")
-show(fig, "step_time_vs_tokens.png")
+show(practice_steps.plot_token_sweep(sweep, adam_ms, S_MODEL), "step_time_vs_tokens.png")
 
 # %% [markdown]
 # 读这张图：
@@ -358,21 +215,17 @@ show(fig, "step_time_vs_tokens.png")
 # %%
 shared = compare_schedules(S_MODEL, batch=1, seq_len=S_SEQ, steps=S_STEPS, rounds=S_ROUNDS, cores="shared")
 print(f"TinyGPT('{S_MODEL}'), batch 1 x {S_SEQ}; median ms per step\n")
-print(f"{'cores':<8}{'serial':>9}{'overlapped':>12}{'DPU':>8}{'overlapped vs serial':>22}{'DPU vs serial':>15}")
-for label, r in (("split", split), ("shared", shared)):
-    ms = r["median_ms"]
-    print(f"{label:<8}{ms['serial']:>9.1f}{ms['overlapped']:>12.1f}{ms['delayed (DPU)']:>8.1f}"
-          f"{r['overlapped_vs_serial']:>21.2f}x{ms['serial'] / ms['delayed (DPU)']:>14.2f}x")
-zoom_shared = zoom("shared", ZOOM_ROUNDS, ZOOM_BLOCK)
+print(practice_steps.format_schedules({"split": split, "shared": shared}, "cores"))
+zoom_shared = practice_steps.zoom(S_MODEL, S_SEQ, CORPUS, cores="shared", rounds=ZOOM_ROUNDS, block=ZOOM_BLOCK)
 print(f"\nphases with shared cores (ms, medians over {zoom_shared['serial']['steps']} steps):")
-print_phases(zoom_shared)
+print(practice_steps.format_phases(zoom_shared))
 
 # %%
-draw_steps(zoom_shared, f"TinyGPT('{S_MODEL}'), batch 1 x {S_SEQ}, shared cores: one step of each schedule",
-           "one_step_shared.png")
+show(practice_steps.draw_steps(zoom_shared, f"TinyGPT('{S_MODEL}'), batch 1 x {S_SEQ}, shared cores: one step of "
+                               "each schedule"), "one_step_shared.png")
 
 # %% [markdown]
-# 共核时，串行的每一段都能用两个核；但两个线程对这种搬内存的活帮助有限（第 4 章 4.4 节：1.16 倍），串行的一步并没有快多少。
+# 共核时，串行的每一段都能用两个核；但两个线程对这种搬内存的活帮助有限（第 4 章 4.4 节），串行的一步并没有因此变快。
 # 要点在重叠那一行：Adam 与反向同时要这两个核，对照上表，重叠时的反向和 Adam 都比串行时长。串行时没有哪个核闲着，
 # 重叠只能把一段的核换给另一段，省下的只有串行时**闲着**的那部分资源（这里几乎没有）。
 # 分核时，反向期间至少主机那个核是闲的，重叠才有东西可省；但两个核仍共用内存带宽。
@@ -410,11 +263,7 @@ for batch in (1, 2, 4, 8, 16, 64):
 # %%
 two_slots = compare_schedules(S_MODEL, batch=1, seq_len=S_SEQ, steps=S_STEPS, rounds=S_ROUNDS, cores="split", slots=2)
 print(f"TinyGPT('{S_MODEL}'), batch 1 x {S_SEQ}, split cores; median ms per step\n")
-print(f"{'staging slots':<15}{'serial':>9}{'overlapped':>12}{'DPU':>8}{'overlapped vs serial':>22}")
-for label, r in (("4", split), ("2", two_slots)):
-    ms = r["median_ms"]
-    print(f"{label:<15}{ms['serial']:>9.1f}{ms['overlapped']:>12.1f}{ms['delayed (DPU)']:>8.1f}"
-          f"{r['overlapped_vs_serial']:>21.2f}x")
+print(practice_steps.format_schedules({4: split, 2: two_slots}, "staging slots", dpu_ratio=False))
 
 # %% [markdown]
 # 多两个槽的代价：主机多两块最大单元大小的锁页缓冲，设备上最多多留两个梯度分片（这里各几 MB）；换来的是主机一时落后时反向不必停。
@@ -429,44 +278,9 @@ for label, r in (("4", split), ("2", two_slots)):
 # %%
 BIT_MODEL, BIT_STEPS = ("nano", 3) if SMOKE else ("tiny", 6)
 BIT_BUCKET = 50_000  # several buckets even in these small models: the first unit's gradient leaves early
-
-
-def train_engine(config: dict | None, model: str, steps: int, *, batch: int, engine=None):
-    """Train `steps` steps of TinyGPT(model) with `config` (or go on with `engine`); the engine and the losses."""
-    engine = engine or zo.initialize(TinyGPT(model, seed=0), config, accelerator=EmulatedAccelerator())
-    data = ByteBatches(CORPUS, gpt_config(model).seq_len, seed=0)
-    losses = []
-    for _ in range(steps):
-        x, y = data.global_batch(engine.global_steps, batch)
-        loss = lm_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return engine, losses
-
-
-def weights(engine) -> dict:
-    return {name: p.detach().clone() for name, p in engine.model.named_parameters()}
-
-
-def same_weights(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 for label, kwargs in (("fp32, no clipping", {}), ("fp16, clipping 1.0", {"precision": "fp16", "clip": 1.0})):
-    runs = {overlap: train_engine(offload_config(batch=4, overlap=overlap, bucket=BIT_BUCKET, **kwargs), BIT_MODEL,
-                                  BIT_STEPS, batch=4)
-            for overlap in (False, True)}
-    (serial_engine, serial_losses), (overlap_engine, overlap_losses) = runs[False], runs[True]
-    pcie = [dict(e.states.transfers.bytes) for e in (serial_engine, overlap_engine)]
-    print(f"{label}: TinyGPT('{BIT_MODEL}'), {BIT_STEPS} steps")
-    print(f"  losses equal: {serial_losses == overlap_losses}; every weight bit-identical (torch.equal): "
-          f"{same_weights(weights(serial_engine), weights(overlap_engine))}")
-    print(f"  bytes over the link, serial {pcie[0]}, overlapped {pcie[1]}")
-    adam = [s for s in overlap_engine.timeline()[0] if s.step == BIT_STEPS - 1 and s.stage == "Adam"]
-    backward = [s for s in overlap_engine.timeline()[0] if s.step == BIT_STEPS - 1 and s.stage == "backward"][0]
-    print(f"  overlapped, last step: {len(adam)} Adam calls (one a unit), the first {1e3 * (adam[0].start - backward.end):+.1f} ms "
-          "from the end of backward\n")
+    print(f"{label}: TinyGPT('{BIT_MODEL}'), {BIT_STEPS} steps")  # serial and overlapped, batch 4, same data
+    print(practice_steps.bit_identity(BIT_MODEL, BIT_STEPS, CORPUS, bucket=BIT_BUCKET, **kwargs))
 
 # %% [markdown]
 # 两种情形都逐位相同，链路上的字节也一样，只是走得更早。最后一行看出差别：不裁剪时第一个单元的 Adam 在反向结束**之前**
@@ -484,65 +298,12 @@ for label, kwargs in (("fp32, no clipping", {}), ("fp16, clipping 1.0", {"precis
 # %%
 DPU_MODEL, DPU_STEPS, DPU_BATCH = ("nano", 24, 8) if SMOKE else ("tiny", 300, 8)
 DPU_STARTS = (None, 10) if SMOKE else (None, 10, 100)
-held_out = ByteBatches(CORPUS, gpt_config(DPU_MODEL).seq_len, seed=0, split="val")
-
-
-@torch.no_grad()
-def evaluate(engine, batches: int = 8) -> float:
-    return statistics.mean(lm_loss(engine(x), y).item() for x, y in (held_out.global_batch(i, DPU_BATCH) for i in range(batches)))
-
-
-dpu_runs = {}
-for start in DPU_STARTS:
-    label = "no DPU" if start is None else f"DPU from step {start}"
-    config = offload_config(batch=DPU_BATCH, overlap=True, dpu_start=start)
-    config["zero_offload"]["cpu_adam"]["threads"] = 1
-    started = time.perf_counter()
-    engine, losses = train_engine(config, DPU_MODEL, DPU_STEPS, batch=DPU_BATCH)
-    seconds = time.perf_counter() - started
-    engine.synchronize()  # the last update is still in flight: land it before reading the weights
-    dpu_runs[label] = {"start": start, "losses": losses, "eval": evaluate(engine), "seconds": seconds}
-
-plain = dpu_runs["no DPU"]["losses"]
+dpu_runs = practice_dpu.dpu_runs(DPU_MODEL, DPU_STEPS, DPU_BATCH, DPU_STARTS, CORPUS)  # overlapped, 1 Adam thread
 print(f"TinyGPT('{DPU_MODEL}'), batch {DPU_BATCH}, AdamW lr 1e-3, overlapped, {DPU_STEPS} steps\n")
-print(f"{'run':<20}{'first differing step':>22}{'mean loss, last 50':>20}{'held-out loss':>15}{'wall s':>8}")
-for label, r in dpu_runs.items():
-    differ = next((i for i, (a, b) in enumerate(zip(r["losses"], plain, strict=True)) if a != b), None)
-    print(f"{label:<20}{'-' if differ is None else differ:>22}{statistics.mean(r['losses'][-50:]):>20.4f}"
-          f"{r['eval']:>15.4f}{r['seconds']:>8.1f}")
-for label, r in dpu_runs.items():
-    if r["start"] is not None:
-        s = r["start"]
-        same = r["losses"][: s + 1] == plain[: s + 1]
-        print(f"{label}: losses of steps 0..{s} identical to no DPU: {same}; step {s + 1}: "
-              f"{r['losses'][s + 1]:.6f} against {plain[s + 1]:.6f}")
+print(practice_dpu.format_dpu(dpu_runs))
 
 # %%
-def smooth(values, window: int = 10) -> np.ndarray:
-    return np.convolve(values, np.ones(window) / window, mode="valid")
-
-
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
-window = 5 if SMOKE else 10
-for (label, r), color in zip(dpu_runs.items(), ("black", "tab:red", "tab:blue"), strict=False):
-    steps = np.arange(len(r["losses"]))
-    ax1.plot(steps, r["losses"], color=color, alpha=0.2, linewidth=0.8)
-    ax1.plot(steps[window - 1:], smooth(r["losses"], window), color=color, label=label)
-    if r["start"] is not None:
-        ax1.axvline(r["start"], color=color, linestyle=":", linewidth=1)
-        ax2.plot(steps[window - 1:], smooth(np.array(r["losses"]) - np.array(plain), window), color=color, label=label)
-ax1.set_xlabel("step")
-ax1.set_ylabel(plots.LOSS_LABEL)
-ax1.set_title(f"TinyGPT('{DPU_MODEL}'): training loss ({window}-step mean; raw faint)")
-ax1.legend(fontsize=8)
-ax2.axhline(0, color="black", linewidth=1)
-ax2.set_xlabel("step")
-ax2.set_ylabel("loss with DPU - loss without")
-ax2.set_title(f"The cost of a one-step-stale gradient ({window}-step mean)")
-ax2.legend(fontsize=8)
-for ax in (ax1, ax2):
-    ax.grid(alpha=0.3)
-show(fig, "dpu_loss.png")
+show(practice_dpu.plot_dpu(dpu_runs, DPU_MODEL, window=5 if SMOKE else 10), "dpu_loss.png")
 
 # %% [markdown]
 # - 到 `start_step` 为止（含第 `start_step` 步），三条曲线逐位相同：那几步的前向用的是同一份权重；从第 `start_step` + 1 步起，
@@ -558,33 +319,8 @@ show(fig, "dpu_loss.png")
 # 每一步先把模型换成"前向该看到的"那份权重算梯度，再换回当前的权重，让 AdamW 用这个梯度更新。
 
 # %%
-def stale_reference(start: int, steps: int) -> list[float]:
-    """Plain torch: the gradient of step t is taken on the weights before the last update once t > start."""
-    model = TinyGPT(DPU_MODEL, seed=0)
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
-    data = ByteBatches(CORPUS, gpt_config(DPU_MODEL).seq_len, seed=0)
-    visible, losses = [p.detach().clone() for p in params], []
-    for step in range(steps):
-        current = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, v in zip(params, visible, strict=True):
-                p.copy_(v)
-        x, y = data.global_batch(step, DPU_BATCH)
-        loss = lm_loss(model(x), y)
-        model.zero_grad()
-        loss.backward()
-        losses.append(loss.item())
-        with torch.no_grad():
-            for p, c in zip(params, current, strict=True):
-                p.copy_(c)
-        optimizer.step()
-        visible = [p.detach().clone() for p in params] if step + 1 <= start else current
-    return losses
-
-
 ours = dpu_runs["DPU from step 10"]["losses"]
-reference_losses = stale_reference(10, DPU_STEPS)
+reference_losses = practice_dpu.stale_reference(DPU_MODEL, 10, DPU_STEPS, DPU_BATCH, CORPUS)
 print(f"DPU from step 10, {DPU_STEPS} steps: the engine (C Adam) against plain torch with a one-step-stale gradient")
 print(f"  mean loss of the last 50 steps: engine {statistics.mean(ours[-50:]):.4f}, "
       f"reference {statistics.mean(reference_losses[-50:]):.4f}")
@@ -608,52 +344,15 @@ print(f"  largest |loss difference| over all steps: {max(abs(a - b) for a, b in 
 NV_MODEL, NV_STEPS, NV_SUB_GROUP = ("nano", 3, 20_000) if SMOKE else ("small", 6, 1_000_000)
 NV_BATCH = 2
 nvme_root = Path(tempfile.mkdtemp(prefix="zo-nvme-"))  # on this machine's disk; a real run names its NVMe drive
-
-
-def nvme_config(tier: str, buffers: int = 4) -> dict:
-    offload = {"device": "cpu"}
-    if tier == "nvme":
-        offload = {"device": "nvme", "nvme_path": str(nvme_root / f"buffers{buffers}"), "buffer_count": buffers}
-    return {
-        "train_batch_size": NV_BATCH,
-        "fp16": {"enabled": True, "initial_scale_power": 12},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": 2, "offload_optimizer": offload, "sub_group_size": NV_SUB_GROUP},
-        "zero_offload": {"cpu_adam": {"impl": "simd", "threads": 1}},
-    }
-
-
-tiers = {"CPU tier": nvme_config("cpu")} | {f"NVMe, {b} buffer(s)": nvme_config("nvme", b) for b in (1, 2, 4)}
-nv_engines = {name: zo.initialize(TinyGPT(NV_MODEL, seed=0), cfg, accelerator=EmulatedAccelerator())
-              for name, cfg in tiers.items()}
-nv_data = ByteBatches(CORPUS, gpt_config(NV_MODEL).seq_len, seed=0)
-nv_ms = {name: [] for name in nv_engines}
-for _ in range(NV_STEPS):  # one step of each tier in turn
-    for name, engine in nv_engines.items():
-        x, y = nv_data.global_batch(engine.global_steps, NV_BATCH)
-        started = time.perf_counter()
-        engine.backward(lm_loss(engine(x), y))
-        engine.step()
-        nv_ms[name].append((time.perf_counter() - started) * 1e3)
-
-cpu_engine = nv_engines["CPU tier"]
-reference = weights(cpu_engine)
-n_params = cpu_engine.num_params
-print(f"TinyGPT('{NV_MODEL}'): {n_params:,} parameters, fp16, stage 2, sub_group_size {NV_SUB_GROUP:,}, "
+tiers = {"CPU tier": practice_nvme.nvme_config("cpu", nvme_root, batch=NV_BATCH, sub_group=NV_SUB_GROUP)} | {
+    f"NVMe, {b} buffer(s)": practice_nvme.nvme_config("nvme", nvme_root, batch=NV_BATCH, sub_group=NV_SUB_GROUP,
+                                                      buffers=b) for b in (1, 2, 4)}
+print(json.dumps(tiers["NVMe, 4 buffer(s)"]["zero_optimization"]).replace(str(nvme_root), "<nvme_path>"))
+nv_engines, nv_ms = practice_nvme.tier_runs(NV_MODEL, tiers, NV_STEPS, CORPUS, batch=NV_BATCH)
+cpu_engine, nv4 = nv_engines["CPU tier"], nv_engines["NVMe, 4 buffer(s)"]
+print(f"TinyGPT('{NV_MODEL}'): {cpu_engine.num_params:,} parameters, fp16, stage 2, sub_group_size {NV_SUB_GROUP:,}, "
       f"{NV_STEPS} steps each, interleaved\n")
-print(f"{'tier':<20}{'sub-groups':>11}{'host':>12}{'nvme':>12}{'staging':>11}{'files':>7}{'on disk':>12}"
-      f"{'ms/step':>9}{'Adam + I/O ms':>15}{'same weights':>14}")
-for name, engine in nv_engines.items():
-    report, states = engine.memory_report(), engine.states
-    files = sorted(states.files.dir.iterdir()) if hasattr(states, "files") else []
-    on_disk = sum(f.stat().st_size for f in files)
-    groups = len(states.groups) if hasattr(states, "groups") else "-"
-    print(f"{name:<20}{groups:>11}{format_bytes(report.measured.host):>12}{format_bytes(report.measured.nvme):>12}"
-          f"{format_bytes(report.host_staging):>11}{len(files):>7}{format_bytes(on_disk):>12}"
-          f"{statistics.median(nv_ms[name][1:]):>9.1f}"
-          f"{statistics.median(h['adam_seconds'] for h in engine.history[1:]) * 1e3:>15.1f}"
-          f"{str(same_weights(weights(engine), reference)):>14}")
-nv4 = nv_engines["NVMe, 4 buffer(s)"]
+print(practice_nvme.format_tiers(nv_engines, nv_ms, weights(cpu_engine)))
 print(f"\nfiles of {nv4.states.files.dir.relative_to(nvme_root)}: "
       + ", ".join(f"{f.name} ({format_bytes(f.stat().st_size)})" for f in sorted(nv4.states.files.dir.iterdir())[:6]) + ", ...")
 print("\nengine.memory_report() of the NVMe tier with 4 buffers:")
@@ -684,32 +383,8 @@ display(Image(filename=str(plot_timeline([nv_spans], OUT / "nvme_timeline.png",
 # 其余照常：
 
 # %%
-nv2 = nv_engines["NVMe, 2 buffer(s)"]
-files = nv2.states.files
-failing_group = min(2, len(nv2.states.groups) - 1)  # the third sub-group: two are written by then
-
-
-def full_at_the_third_group(group, state, data):
-    if group == failing_group and state == "master":
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(files.path(group, state)))
-    return SwapFiles.write(files, group, state, data)
-
-
-files.write = full_at_the_third_group  # this engine's files only
-steps_before = nv2.global_steps
-try:
-    train_engine(None, NV_MODEL, 1, batch=NV_BATCH, engine=nv2)
-except NVMeError as err:
-    message = str(err).replace(str(nvme_root), "<nvme_path>")
-    print("NVMeError:\n" + textwrap.fill(message, 116, subsequent_indent="  "))
-del files.write  # the class's write again
-print(f"\nglobal_steps {steps_before} -> {nv2.global_steps}; weights still those of the CPU tier at step "
-      f"{cpu_engine.global_steps}: {same_weights(weights(nv2), reference)}; temporary files left: "
-      f"{len([p for p in files.dir.iterdir() if p.name.endswith('.tmp')])}")
-nv2.zero_grad()  # drop the gradients of the step that was not taken, then train on
-for engine in (nv2, cpu_engine):
-    train_engine(None, NV_MODEL, 1, batch=NV_BATCH, engine=engine)
-print(f"after one more step on each: the same weights as the CPU tier: {same_weights(weights(nv2), weights(cpu_engine))}")
+nv2 = nv_engines["NVMe, 2 buffer(s)"]  # its files.write fails with ENOSPC on the third sub-group, for one step
+print(practice_nvme.disk_full_step(nv2, cpu_engine, NV_MODEL, CORPUS, batch=NV_BATCH, nvme_root=nvme_root, group=2))
 shutil.rmtree(nvme_root)
 del nv_engines, nv2, nv4, cpu_engine
 
@@ -734,18 +409,10 @@ BUDGET = 64 * MIB if SMOKE else 512 * MIB
 LAYERS = 2 if SMOKE else 8
 OFFLOAD_MODEL = "small" if SMOKE else "100m"
 started = time.perf_counter()
-alone = largest_without_offload(BUDGET, n_layer=LAYERS)
+alone = largest_without_offload(BUDGET, n_layer=LAYERS)  # bisection over widths, one training step each
 alone_s = time.perf_counter() - started
-print(f"device budget {format_bytes(BUDGET)}; without offload (stage 0, bf16, {LAYERS} layers, batch 1 x 32):")
-print(f"  largest that trains: d_model {alone['d_model']}, {alone['params']:,} parameters, device peak "
-      f"{format_bytes(alone['device_peak'])} (bisection took {alone_s:.0f} s)")
-print("  the next width (+64):\n" + textwrap.fill(alone["next_oom"], 116, initial_indent="    ", subsequent_indent="    "))
 offloaded = offloaded_run(OFFLOAD_MODEL, budget=BUDGET, steps=3)
-print(f"\nwith stage 3 + offload_param + offload_optimizer: TinyGPT('{OFFLOAD_MODEL}'), {offloaded['params']:,} parameters")
-print(f"  3 steps in {offloaded['seconds']:.1f} s, losses {', '.join(f'{v:.3f}' for v in offloaded['losses'])}; "
-      f"device peak {format_bytes(offloaded['device_peak'])} of {format_bytes(BUDGET)}; host {format_bytes(offloaded['host_bytes'])} "
-      f"({offloaded['host_bytes'] / offloaded['params']:.1f} bytes a parameter)")
-print(f"  {offloaded['params'] / alone['params']:.1f}x the parameters of the largest model without offload")
+print(practice_runs.format_largest(BUDGET, LAYERS, alone, alone_s, OFFLOAD_MODEL, offloaded))
 
 # %% [markdown]
 # 卸载之后，设备上的峰值与模型大小关系不大（一层的权重、梯度桶、激活值），限制模型的是主机内存。
@@ -753,23 +420,9 @@ print(f"  {offloaded['params'] / alone['params']:.1f}x the parameters of the lar
 
 # %%
 P1B = gpt_config("1b").num_params()
-P13B = 13_000_000_000
-available = host_memory_available()
 total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-print(f"{'model':<24}{'configuration':<34}{'device':>11}{'host':>11}  (model states, one rank)")
-for label, params in ((f"'1b' ({P1B / 1e9:.2f}B)", P1B), ("13B", P13B)):
-    for conf, kwargs in (("stage 0, bf16", dict(stage=0)),
-                         ("stage 3 + both offloads, bf16", dict(stage=3, offload_optimizer="cpu", offload_param="cpu"))):
-        est = estimate_model_states(params, world_size=1, precision="bf16", **kwargs)
-        print(f"{label:<24}{conf:<34}{format_gb(est.device):>11}{format_gb(est.host):>11}")
-one_b = estimate_model_states(P1B, stage=3, world_size=1, offload_optimizer="cpu", offload_param="cpu", precision="bf16")
-need_1b = one_b.host + 2 * P1B  # + the bf16 model the engine copies its weights from, as offloaded_run checks
-host_limit = 0.9 * total / (need_1b / P1B)  # 10% left for the system, as zo plan leaves it
-print(f"\ntraining '1b' with offload needs about {format_gb(need_1b)} of host memory "
-      f"({need_1b / P1B:.0f} bytes a parameter); this machine has {format_gb(total)} "
-      f"({format_gb(available)} available at this moment)")
-print(f"largest model 90% of this host could hold at that rate: about {host_limit / 1e9:.2f}B parameters, "
-      f"{host_limit / alone['params']:.0f}x the largest without offload")
+estimates, host_limit = practice_runs.host_estimates(P1B, alone["params"], total, host_memory_available())
+print(estimates)
 
 # %% [markdown]
 # 每参数 18 字节在主机上（bf16 权重 2、fp32 梯度分区 4、主权重 4、m 4、v 4），再加引擎初始化时复制权重用的那份 bf16 模型 2 字节，
@@ -780,18 +433,7 @@ print(f"largest model 90% of this host could hold at that rate: about {host_limi
 
 # %%
 V100 = replace(perfmodel.PRESETS["v100-32g"], gpus=1)
-
-
-def largest_fitting(stage: int, offload: str) -> int:
-    low, high = 10**8, 10**12  # parameters: the first fits, the second does not
-    while high - low > 10**7:
-        mid = (low + high) // 2
-        fits = perfmodel.plan(V100, perfmodel.Workload(mid, batch=1, recompute=True), stage, offload).fits
-        low, high = (mid, high) if fits else (low, mid)
-    return low
-
-
-v100_plain, v100_offload = largest_fitting(0, "none"), largest_fitting(2, "optimizer")
+v100_plain, v100_offload = (practice_runs.largest_fitting(V100, *c) for c in ((0, "none"), (2, "optimizer")))  # bisect
 print(f"one V100-32GB ({format_gb(V100.gpu_memory)}), batch 1 x 1024, activation checkpointing (model):")
 print(f"  without offload (stage 0):        {v100_plain / 1e9:5.1f}B parameters   (the paper measured 1.4B with PyTorch)")
 print(f"  stage 2 + offload_optimizer:      {v100_offload / 1e9:5.1f}B parameters   (the paper trained 13B)")
@@ -799,24 +441,10 @@ print(f"  ratio {v100_offload / v100_plain:.1f}x; with offload the host needs "
       f"{format_gb(perfmodel.plan(V100, perfmodel.Workload(v100_offload, recompute=True), 2, 'optimizer').host_bytes)}")
 
 # %%
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
 bars = {"no offload\n(measured)": alone["params"], f"offload, '{OFFLOAD_MODEL}'\n(measured)": offloaded["params"],
         "offload, '1b'\n(not run here)": P1B, "host limit\n(estimate)": host_limit}
-ax1.bar(range(len(bars)), list(bars.values()), color=["tab:red", "tab:blue", "tab:blue", "lightgray"])
-for i, v in enumerate(bars.values()):
-    ax1.text(i, v, f"{v / 1e6:,.0f}M", ha="center", va="bottom", fontsize=8)
-ax1.set_xticks(range(len(bars)), list(bars), fontsize=8)
-ax1.set_yscale("log")
-ax1.set_ylabel("parameters")
-ax1.set_title(f"Emulated device, {format_bytes(BUDGET)} budget")
 v100_bars = {"no offload": v100_plain, "stage 2 + offload": v100_offload}
-ax2.bar(range(2), [v / 1e9 for v in v100_bars.values()], color=["tab:red", "tab:blue"], label="performance model")
-ax2.scatter(range(2), [1.4, 13], color="black", marker="D", zorder=3, label="ZeRO-Offload paper")
-ax2.set_xticks(range(2), list(v100_bars))
-ax2.set_ylabel("billions of parameters")
-ax2.set_title("One V100-32GB, batch 1 x 1024, recompute")
-ax2.legend(fontsize=8)
-show(fig, "largest_model.png")
+show(practice_runs.plot_largest(bars, format_bytes(BUDGET), v100_bars), "largest_model.png")
 
 # %% [markdown]
 # 性能模型给出的不卸载上限比论文的 1.4B 高：模型不计 PyTorch 的工作区、内存碎片和 CUDA 上下文，论文的 PyTorch 实测还带着它们；
@@ -861,15 +489,7 @@ print(textwrap.dedent("""\
 
 # %%
 def zo_train(*args: str) -> int:
-    """`zo train ARGS` in this process, its progress bars and report kept out of the notebook; the exit code."""
-    with contextlib.redirect_stdout(io.StringIO()) as said, contextlib.redirect_stderr(io.StringIO()):
-        code = zo_cli(["train", *args])
-    if code != 0:
-        print(said.getvalue()[-3000:])
-    for line in said.getvalue().splitlines():
-        if line.startswith(("resumed from", "step ")):
-            print(line.replace(str(ROOT) + "/", ""))
-    return code
+    return practice_runs.zo_train(*args, root=ROOT)  # in this process; prints only the resume and step lines
 
 
 RESUME_MODEL = "nano"
@@ -891,34 +511,21 @@ print(f"losses identical: {resumed['losses'] == straight['losses']}; eval losses
 # （只差加法的顺序），所以 loss 应当与一个进程的几乎相同：
 
 # %%
-def multinode(out: Path, *train_args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(ROOT / "tools" / "multinode.py"), "--nodes", "2", "--grace", "20", "--",
-               "--config", str(mn_config), "--model", "tiny", "--out", str(out), *train_args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-
-
 MN_STEPS = 12
 if SMOKE:
     print("smoke mode: skipped (two torchrun agents take half a minute to start)")
 else:
     two_dir, one_dir = run_root / "two-nodes", run_root / "one-process"
     started = time.perf_counter()
-    run = multinode(two_dir, "--steps", str(MN_STEPS), "--eval-every", "6", "--save-every", "4")
+    run = practice_runs.multinode(two_dir, mn_config, "--steps", str(MN_STEPS), "--eval-every", "6", "--save-every", "4",
+                                  root=ROOT)
     mn_wall = time.perf_counter() - started
     if run.returncode != 0:
         raise RuntimeError(f"two nodes failed:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}")
     zo_train("--config", str(mn_config), "--model", "tiny", "--steps", str(MN_STEPS), "--eval-every", "6",
              "--out", str(one_dir))
     two, one = (json.loads((d / "summary.json").read_text()) for d in (two_dir, one_dir))
-    rel = max(abs(a - b) / abs(b) for a, b in zip(two["losses"], one["losses"], strict=True))
-    print(f"\ntwo nodes: world size {two['world_size']}, nodes {two['nodes']}, {two['steps']} steps in {mn_wall:.0f} s "
-          f"wall (start-up included), {two['ms_per_step']:.0f} ms a step; one process: {one['ms_per_step']:.0f} ms a step")
-    print(f"loss {two['losses'][0]:.4f} -> {two['losses'][-1]:.4f}; largest relative difference from one process: {rel:.1e}")
-    print(f"eval losses, two nodes: {[round(e['loss'], 4) for e in two['eval_losses']]}; one process: "
-          f"{[round(e['loss'], 4) for e in one['eval_losses']]}")
-    print(f"reduce-scatter moved {two['traffic_elements'].get('reduce_scatter', 0):,} elements a rank; "
-          f"PCIe (this rank): {two['pcie_bytes']}")
+    print(practice_runs.format_two_nodes(two, one, mn_wall))
     for name in ("timeline.png", "loss.png"):
         target = OUT / f"two_nodes_{name}"
         shutil.copyfile(two_dir / name, target)
@@ -934,53 +541,19 @@ else:
 # （不是它的 torchrun 代理），看节点 0 上的 rank 说什么，再按它说的 `--resume`：
 
 # %%
-def kill_one_rank(out: Path, log_dir: Path):
-    """Start two nodes; once a checkpoint exists, SIGKILL node 1's rank; return node 0's log and how long it took."""
-    with socket.socket() as sock:  # a free port for the rendezvous, on loopback only
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    args = ["--config", str(mn_config), "--model", "tiny", "--steps", "100000", "--save-every", "4",
-            "--timeout", "60", "--out", str(out)]
-    logs = [log_dir / f"node{node}.log" for node in (0, 1)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-                               "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port,
-                               "-m", "zero_offload.cli", "train", *args],
-                              stdout=logs[node].open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-             for node in (0, 1)]
-    try:
-        deadline = time.monotonic() + 300
-        while newest_complete(out) is None:
-            if time.monotonic() > deadline or any(n.poll() is not None for n in nodes):
-                raise RuntimeError("no checkpoint appeared:\n" + logs[0].read_text()[-3000:])
-            time.sleep(0.1)
-        agent = nodes[1].pid
-        (rank1,) = Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
-        os.kill(int(rank1), signal.SIGKILL)
-        killed = time.monotonic()
-        nodes[0].wait(timeout=120)
-        stopped_after = time.monotonic() - killed
-        nodes[1].wait(timeout=120)
-    finally:
-        for node in nodes:  # only the agents started here, each with its own session
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-                node.wait()
-    return logs[0].read_text(), stopped_after, [n.returncode for n in nodes]
-
-
 if SMOKE or not Path("/proc/self/task").is_dir():
     print("skipped: smoke mode, or no /proc to find the rank to kill")
 else:
     killed_dir = run_root / "killed"
-    log, stopped_after, codes = kill_one_rank(killed_dir, run_root)
+    log, stopped_after, codes = practice_runs.kill_one_rank(killed_dir, run_root, mn_config)  # SIGKILL, node 1's rank
     print(f"node exit codes {codes}; rank 0 stopped {stopped_after:.1f} s after rank 1 was killed (--timeout was 60 s)")
     print("node 0's error:")
     for line in log.splitlines():
         if line.startswith(("error:", "  cause:", "Restart")):
             print(textwrap.fill(line.replace(str(ROOT) + "/", ""), 116, subsequent_indent="    "))
     saved = int(newest_complete(killed_dir).name.removeprefix("step_"))
-    run = multinode(killed_dir, "--steps", str(saved + 4), "--save-every", "4", "--resume")
+    run = practice_runs.multinode(killed_dir, mn_config, "--steps", str(saved + 4), "--save-every", "4", "--resume",
+                                  root=ROOT)
     if run.returncode != 0:
         raise RuntimeError(f"resume failed:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}")
     after = json.loads((killed_dir / "summary.json").read_text())
@@ -998,8 +571,9 @@ else:
 #
 # - 重叠流水线（`overlap_offload`）让每个单元的下行、Adam、上行在反向期间就开始，结果与串行逐位相同；
 #   它最多能省下串行时反向之后的那条尾巴（Adam + 上行）。DPU 把 Adam 整个挪到下一步的前向、反向期间。
-# - 在这台 2 核机器的模拟设备上，那条尾巴只占一步的一小部分，而两段活还共用内存带宽（共核时连核也共用），
-#   所以重叠省得很少，甚至不省；在真 GPU 上，PCIe 和 CPU Adam 与计算是同一个量级，重叠和 DPU 才值钱。
+# - 在这台 2 核机器的模拟设备上，分核、批 1 × 8 时（第 1 节的表），那条尾巴占串行一步的三成左右，重叠和 DPU 几乎把它全藏住，
+#   一步明显变短；收益随 token 数下降（2.1 节，批 4 × 128 时只剩几个百分点），两个槽时更小（2.4 节），共核时最小（2.2 节）。
+#   在真 GPU 上，PCIe 和 CPU Adam 与计算是同一个量级，重叠和 DPU 省下的是秒（2.3 节）。
 # - DPU 用晚一步的梯度；在这里的小模型上，它的 loss 明显落后，打开前要在你的模型上量一次。
 # - NVMe 层把 12 字节/参数挪进文件，与 CPU 层逐位相同，代价是每步把状态读写一遍；磁盘满时那一步不发生，文件停在上一步。
 # - 卸载让模型大小不再受设备限制，而受主机内存限制（约 18～20 字节/参数）。
@@ -1019,7 +593,8 @@ else:
 #
 # ## 练习
 #
-# 1. 在第 1 节把模型换成 `"10m"`、批 1 × 8。Adam 的份额变大了吗？重叠对串行的比值呢？
+# 1. 第 1 节和 2.4 节只试了 2 个和 4 个暂存槽。用 `compare_schedules(..., slots=16)` 再量一次批 1 × 8，再在批 1 × 128 上比较 2、4、16 个槽：
+#    槽多到几个之后重叠对串行的比值不再变？为什么 token 多时槽数几乎无关紧要？多出的槽各占多少主机内存？
 # 2. 在第 3 节的 fp32 情形里打开 `gradient_clipping`，看第一个单元的 Adam 离反向结束多远，解释为什么。
 # 3. 把第 4 节的学习率降到 5e-4，DPU 的落后变小了吗？把 `start_step` 放到 200 呢？
 # 4. 第 5 节里，子组越小，主机上的槽越小；代价是什么？把 `sub_group_size` 改成 200,000 和 4,000,000 各量一次。
