@@ -338,3 +338,31 @@ def test_buffers_fall_back_to_pageable_memory_when_pinning_fails(overlap):
     engine.backward(lm_loss(engine(x), x))
     engine.step()
     assert torch.isfinite(engine.states.master).all()
+
+
+def test_one_rank_offloaded_with_clipping_trains_bit_for_bit_like_stage_0():
+    """Stage 0 sums the gradient's squares unit by unit, as the offloaded stage does: with the clip active at
+    every step the two clip factors, and so the weights, stay equal; rows that crossed units did not."""
+
+    def run(zero: dict) -> zo.Engine:
+        config = {
+            "train_batch_size": 2,
+            "fp16": {"enabled": True, "initial_scale_power": 12},
+            "gradient_clipping": 0.5,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+            "zero_optimization": zero,
+            "zero_offload": {"cpu_adam": {"impl": "torch"}},
+        }
+        engine = zo.initialize(TinyGPT("nano", seed=0), config, accelerator=EmulatedAccelerator())
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(4):
+            x = torch.randint(0, 256, (2, SEQ), generator=gen)
+            engine.backward(lm_loss(engine(x), x))
+            engine.step()
+        return engine
+
+    device, offloaded = run({"stage": 0}), run({"stage": 2, "offload_optimizer": {"device": "cpu"}})
+    norms = [(a["grad_norm"], b["grad_norm"]) for a, b in zip(device.history, offloaded.history, strict=True)]
+    assert all(a == b and a > 0.5 for a, b in norms), norms  # equal, and clipped at every step
+    for (name, a), (_, b) in zip(device.model.named_parameters(), offloaded.model.named_parameters(), strict=True):
+        assert torch.equal(a.detach(), b.detach()), name

@@ -6,8 +6,8 @@ A table or paragraph in course/*.md that quotes measured figures carries a marke
     <!-- source: course/measured/bench-schedules-amd-epyc-zen5.txt, lessons/04_tuning.ipynb (section 6) -->
 
 Every decimal number in that block (the lines up to the next blank line) must appear in one of the sources: in a
-notebook's stored outputs, or in a results file, as printed or rounded to the digits the text gives. Integers,
-versions (2.13.0) and section numbers (5.1.6) are not checked. A number the text works out itself (a ratio of two
+notebook's stored outputs, or in a results file, as printed or rounded to the digits the text gives; so must every whole number of
+milliseconds ("423 ms"). Other integers, versions (2.13.0) and section numbers (5.1.6) are not checked. A number the text works out itself (a ratio of two
 quoted figures, a formula's value) is listed after the sources, and must then appear in the block:
 
     <!-- source: lessons/02_principles.ipynb; derived: 1.38 -->
@@ -63,16 +63,22 @@ def _source_text(path: Path) -> str:
     return "\n".join(parts)
 
 
+# A whole number of milliseconds (423 ms): a timing, though it has no decimals; and any whole number printed.
+WHOLE = re.compile(r"(?<![\w.,])(\d+)(?![\d.,])")
+MILLISECONDS = re.compile(r"(?<![\w.,])(\d+)(?=\s?ms\b)")
+
+
 def _numbers(text: str) -> list[str]:
-    return DECIMAL.findall(re.sub(r"(?<=[x×])(?=\d)", " ", text))  # "x1.32" is a ratio as printed
+    text = re.sub(r"(?<=[x×])(?=\d)", " ", text)  # "x1.32" is a ratio as printed
+    return DECIMAL.findall(text) + MILLISECONDS.findall(text)
 
 
 def _appears(quoted: str, printed: list[str]) -> bool:
     """Whether `quoted` is one of the printed numbers, or one of them rounded to `quoted`'s digits."""
-    digits = len(quoted.split(".")[1])
+    digits = len(quoted.partition(".")[2])
     target = float(quoted)
     for value in printed:
-        if len(value.split(".")[1]) >= digits and abs(float(value) - target) <= 0.5 * 10**-digits + 1e-12:
+        if len(value.partition(".")[2]) >= digits and abs(float(value) - target) <= 0.5 * 10**-digits + 1e-12:
             return True
     return False
 
@@ -99,7 +105,8 @@ def test_each_quoted_figure_appears_in_its_source(chapter, line, sources, derive
     for source in sources:
         path = REPO / source
         assert path.is_file(), f"{chapter.name}:{line} names {source}, which is not in the repository"
-        printed += _numbers(_source_text(path))
+        text = _source_text(path)
+        printed += _numbers(text) + WHOLE.findall(text)  # a quoted "423 ms" may be printed as "423"
     missing = [q for q in quoted if q not in derived and not _appears(q, printed)]
     assert not missing, (
         f"{chapter.name}:{line}: {missing} do not appear in {', '.join(sources)}; quote what the source shows "
@@ -113,3 +120,5 @@ def test_the_checker_tells_a_stale_figure_from_a_rounded_one():
     assert _appears("1.32", printed)
     assert not _appears("46.3", printed) and not _appears("1.3000", printed)
     assert _numbers("v0.19.6 and §5.1.6 and 5.1.6 节, but 1.56× and 0.98") == ["1.56", "0.98"]
+    assert _numbers("a step of 423 ms, 4 steps") == ["423"] and _appears("423", ["422.6"])
+    assert not _appears("423", ["425"])

@@ -20,6 +20,7 @@ from .config import Config
 from .implementation.offload import OffloadedStates
 from .practice.nvme import NVMeStates
 from .principles.comm import Comm
+from .principles.partition import build_units
 from .principles.zero import ShardedStates
 from .tuning.partial import PartialOffloadStates
 
@@ -30,8 +31,9 @@ def build_states(
     """The states of `model` (its unique trainable `params`); `loss_scale()` is the current loss scale, which
     the offloaded states divide the gradients by on their way to the host."""
     zero = config.zero_optimization
-    if zero.stage == 0:
-        return MixedPrecisionStates(params, accel, config.precision, comm)
+    if zero.stage == 0:  # the norm summed unit by unit, as the other stages do: one rank gets the same number
+        pieces = [unit.numel for unit in build_units(model, 1, 0)]
+        return MixedPrecisionStates(params, accel, config.precision, comm, norm_pieces=pieces)
     if not zero.offload_optimizer.enabled:
         return ShardedStates(model, accel, config.precision, zero.stage, comm, zero)
     tier = OffloadedStates

@@ -155,12 +155,25 @@ class MixedPrecisionStates:
     With several ranks (plain data parallelism) the gradients are averaged with an all-reduce before the step.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], accel: Accelerator, precision: str, comm=None):
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        accel: Accelerator,
+        precision: str,
+        comm=None,
+        *,
+        norm_pieces=None,
+    ):
         if precision not in LOW_PRECISION:
             raise ValueError(f"precision must be one of {sorted(LOW_PRECISION)}, got {precision!r}")
         self.params, self.accel, self.precision, self.comm = params, accel, precision, comm
         self.dtype = LOW_PRECISION[precision]
         self.numel = sum(p.numel() for p in params)
+        # The lengths of the consecutive pieces of the flat gradient whose squares grad_norm sums one by one: the
+        # sharded stages' units (one per module), so that one rank's norm is theirs bit for bit. None: one piece.
+        if norm_pieces is not None and sum(norm_pieces) != self.numel:
+            raise ValueError(f"norm_pieces cover {sum(norm_pieces)} elements, the parameters {self.numel}")
+        self.norm_pieces = norm_pieces
         # Allocation order is the order a GPU would fill: weights, gradients, then the optimizer's fp32 states,
         # so an out-of-memory error names the states that offloading would move.
         self.flat_param = accel.empty(self.numel, self.dtype, category="parameters")
@@ -235,9 +248,11 @@ class MixedPrecisionStates:
         return [unscaled_fp32(self.accel, self.flat_grad, inv_scale)]
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
-        # As the sharded stages compute it (basics/norm.py); after the all-reduce every rank holds the whole
+        # As the sharded stages compute it (basics/norm.py), piece by piece: rows of 4096 that cross from one
+        # unit into the next would sum other numbers in fp32. After the all-reduce every rank holds the whole
         # gradient, so there is nothing to add across ranks.
-        return global_norm(squared_norm(grad) for grad in grads)
+        pieces = [g for grad in grads for g in (grad.split(self.norm_pieces) if self.norm_pieces else [grad])]
+        return global_norm(squared_norm(piece) for piece in pieces)
 
     def publish(self) -> None:
         """After the fp32 update: round the master weights into the weights the forward pass reads."""
