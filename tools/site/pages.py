@@ -62,6 +62,24 @@ def stage_notebook(src: Path, docs: Path, rel: str, docs_path: str, broken: list
     return title or src.stem
 
 
+DETAILS = re.compile(r"^( +)<details>(.*?)^\1</details>[ \t]*$", re.M | re.S)
+
+
+def markdown_in_details(text: str) -> str:
+    """The answers' `<details>` blocks as Markdown (md_in_html). GitHub renders Markdown inside them; Python-Markdown
+    leaves a raw HTML block as it is unless told, and sees one only at the left margin, so a block indented under a
+    question's list item moves out to it (`sane_lists` in mkdocs.yml keeps the next question's number)."""
+
+    def dedent(m: re.Match) -> str:
+        indent = len(m.group(1))
+        body = "\n".join(
+            line[indent:] if line.startswith(" " * indent) else line for line in m.group(2).split("\n")
+        )
+        return f"<details>{body}</details>"
+
+    return DETAILS.sub(dedent, text).replace("<details>", '<details markdown="1">')
+
+
 def stage_chapters(docs: Path, broken: list[dict], sources: dict[str, str]) -> list[Staged]:
     """Chapters: copies with links rewritten (math is converted later, by the Markdown extension)."""
     chapters = []
@@ -69,9 +87,8 @@ def stage_chapters(docs: Path, broken: list[dict], sources: dict[str, str]) -> l
         rel = f"course/{path.name}"
         docs_path = page_for(rel)
         text = path.read_text(encoding="utf-8")
-        (docs / docs_path).write_text(
-            Rewriter(rel, docs_path, broken, docs=docs).rewrite(text), encoding="utf-8"
-        )
+        staged = Rewriter(rel, docs_path, broken, docs=docs).rewrite(text)
+        (docs / docs_path).write_text(markdown_in_details(staged), encoding="utf-8")
         sources[docs_path] = rel
         chapters.append((path, docs_path, first_heading(text) or path.stem))
     return chapters
