@@ -39,7 +39,8 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
 # mkdocs loads this file as its hook module and calls these by name (``hooks:`` in mkdocs.yml).
-from tools.site.hooks import on_config, on_files, on_page_content, on_post_build, on_post_page  # noqa: E402, F401
+from tools.site.hooks import on_config, on_files, on_page_content, on_post_page  # noqa: E402, F401
+from tools.site.mathml import MATH_PROBLEMS  # noqa: E402
 from tools.site.paths import MAP_NAME  # noqa: E402
 from tools.site.staging import stage  # noqa: E402
 
@@ -61,9 +62,8 @@ def build(site_dir: Path, staging: Path, strict: bool = True) -> dict:
         strict=strict,
     )
     mkdocs_build(cfg)
-    problems = staging / "math-problems.json"
-    if problems.exists():
-        site_map["math_problems"] += json.loads(problems.read_text(encoding="utf-8"))
+    # The chapters' TeX is converted while mkdocs builds (the hooks share this process's MATH_PROBLEMS).
+    site_map["math_problems"] += MATH_PROBLEMS
     report = {k: site_map[k] for k in ("broken_links", "math_problems")}
     (staging / "report.json").write_text(json.dumps(report, ensure_ascii=False, indent=1), encoding="utf-8")
     return site_map

@@ -121,10 +121,3 @@ def _strip_cdn_script(m: re.Match) -> str:
 
 def on_post_page(output, page, config):
     return _SCRIPT_RE.sub(_strip_cdn_script, output)
-
-
-def on_post_build(config):
-    # The chapters' TeX is converted while mkdocs builds, after stage() took its copy of the problems: leave
-    # these next to the staged docs, where build() adds them to the report.
-    path = Path(config["docs_dir"]).parent / "math-problems.json"
-    path.write_text(json.dumps(MATH_PROBLEMS, ensure_ascii=False, indent=1), encoding="utf-8")
