@@ -142,8 +142,8 @@ def compare_schedules(
             start, blocked = time.perf_counter(), seconds_blocked()
             engine.synchronize()
             landing[name].append((time.perf_counter() - start) * 1000)
-            turn = Busy.since(cpu)
-            busy[name] = busy[name] + replace(turn, waited=turn.waited - (seconds_blocked() - blocked))
+            # The steps' waits only: what the device's thread was blocked for up to the landing.
+            busy[name] = busy[name] + replace(Busy.since(cpu), waited=blocked - cpu[2])
             return ms
 
         for name in engines:
