@@ -10,7 +10,6 @@ import contextlib
 import io
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from ..basics import estimate_model_states  # noqa: E402
 from ..cli import main as zo_cli  # noqa: E402
 from ..practice.run_dir import newest_complete  # noqa: E402
+from ..principles.process_group import free_port  # noqa: E402
 from ..tuning import perfmodel  # noqa: E402
 from ..units import format_bytes, format_gb  # noqa: E402
 
@@ -143,17 +143,11 @@ def multinode(out: Path, config: Path, *train_args: str, root: Path, timeout: in
     return subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def _free_port() -> str:
-    with socket.socket() as sock:  # a free port for the rendezvous, on loopback only
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
-
-
 def kill_one_rank(out: Path, log_dir: Path, config: Path):
     """Start two nodes; once a checkpoint exists, SIGKILL node 1's rank (not its agent).
 
     Returns node 0's log, how long node 0 took to stop after the kill, and both agents' exit codes."""
-    port = _free_port()
+    port = str(free_port())  # for the rendezvous, on loopback only
     args = [
         "--config",
         str(config),
