@@ -186,12 +186,6 @@ class Recommendation:
     advice: list[Advice]
 
 
-def _rank(p: Plan) -> tuple:
-    # Fastest first; among equals the one that leaves the most device memory (for a larger batch), then
-    # stage 2, the stage ZeRO-Offload was built on, then the lower stage.
-    return (float(f"{p.time.serial:.3g}"), p.device_bytes, p.stage != 2, p.stage)
-
-
 def recommend(hw: Hardware, wl: Workload) -> Recommendation:
     """The fastest configuration that fits, with a partial offload ratio where part of the optimizer fits.
 
@@ -222,7 +216,7 @@ def recommend(hw: Hardware, wl: Workload) -> Recommendation:
             " use more GPUs, a smaller batch, or the NVMe tier (module 5)"
         )
         return Recommendation(None, wl, {}, [why], [])
-    best = min(candidates, key=_rank)
+    best = min(candidates, key=lambda p: p.preference)
     reasons = [
         f"{best.label}: device {gb(best.device_bytes)} of {gb(best.device_usable)} usable per GPU, host "
         f"{gb(best.host_bytes)} of {gb(best.host_usable)}; predicted {best.time.serial:.3g} s a step "

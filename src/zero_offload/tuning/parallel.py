@@ -122,8 +122,6 @@ def plan_layouts(hw, wl, node_counts: tuple[int, ...] | None = None) -> list[tup
                 ]
             plans = [plan(job, wl, stage, offload, layout=layout) for stage, offload in choices]
             fitting = [p for p in plans if p.fits]
-            # as advisor.recommend ranks them: fastest, then the least device memory, then stage 2
-            key = lambda p: (float(f"{p.time.serial:.3g}"), p.device_bytes, p.stage != 2, p.stage)  # noqa: E731
-            best = min(fitting, key=key) if fitting else None
+            best = min(fitting, key=lambda p: p.preference) if fitting else None  # as advisor.recommend ranks
             rows.append((job, layout, best, min(plans, key=lambda p: p.device_bytes)))
     return rows

@@ -165,6 +165,12 @@ class Plan:
         return self.device_bytes <= self.device_usable and self.host_bytes <= self.host_usable
 
     @property
+    def preference(self) -> tuple:
+        """How a recommendation ranks plans (smallest first): fastest; among equals the one that leaves the most
+        device memory (for a larger batch), then stage 2, the stage ZeRO-Offload was built on, then the lower."""
+        return (float(f"{self.time.serial:.3g}"), self.device_bytes, self.stage != 2, self.stage)
+
+    @property
     def label(self) -> str:
         text = f"stage {self.stage}" + ("" if self.offload == "none" else f" + {self.offload} offload")
         return text + (f" (ratio {self.ratio:g})" if 0 < self.ratio < 1 else "")
