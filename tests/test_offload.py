@@ -364,5 +364,7 @@ def test_one_rank_offloaded_with_clipping_trains_bit_for_bit_like_stage_0():
     device, offloaded = run({"stage": 0}), run({"stage": 2, "offload_optimizer": {"device": "cpu"}})
     norms = [(a["grad_norm"], b["grad_norm"]) for a, b in zip(device.history, offloaded.history, strict=True)]
     assert all(a == b and a > 0.5 for a, b in norms), norms  # equal, and clipped at every step
-    for (name, a), (_, b) in zip(device.model.named_parameters(), offloaded.model.named_parameters(), strict=True):
+    for (name, a), (_, b) in zip(
+        device.model.named_parameters(), offloaded.model.named_parameters(), strict=True
+    ):
         assert torch.equal(a.detach(), b.detach()), name
