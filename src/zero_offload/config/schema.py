@@ -97,6 +97,21 @@ class OffloadConfig:
         return self.device != "none"
 
 
+# DeepSpeed's default leaf modules: the Hugging Face mixture-of-experts blocks, whose experts each rank runs or
+# skips by its own tokens' routing.
+DEFAULT_LEAF_CLASSES = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
+
+
+@dataclass(frozen=True)
+class LeafModuleConfig:
+    # Stage 3 gathers a leaf module's whole subtree when it is entered, so that every rank gathers the same
+    # units whichever of its children its data runs (principles/stage3_params.py). Matched by class name
+    # (plain or with its module path), by the module's name in named_modules(), or by a suffix of that name.
+    classes: tuple[str, ...] = DEFAULT_LEAF_CLASSES
+    names: tuple[str, ...] = ()
+    name_suffixes: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     stage: int = 0
@@ -108,6 +123,7 @@ class ZeroConfig:
         50_000_000  # elements stage 3 gathers ahead of use (DeepSpeed's default)
     )
     sub_group_size: int = 1_000_000_000
+    leaf_module: LeafModuleConfig = LeafModuleConfig()
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from .schema import (
     ConfigError,
     FP16Config,
     FrozenDict,
+    LeafModuleConfig,
     OffloadConfig,
     OptimizerConfig,
     SchedulerConfig,
@@ -208,6 +209,22 @@ def _offload(s: Section, is_param: bool) -> OffloadConfig:
     return out
 
 
+def _leaf_module(s: Section) -> LeafModuleConfig:
+    def names(key: str, default: tuple[str, ...]) -> tuple[str, ...]:
+        value = s.get(key, list, list(default))
+        if not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(s.key(key), f"{s.key(key)} must be a list of non-empty strings, got {value!r}")
+        return tuple(value)
+
+    out = LeafModuleConfig(
+        classes=names("classes", LeafModuleConfig.classes),
+        names=names("names", ()),
+        name_suffixes=names("name_suffixes", ()),
+    )
+    s.done()
+    return out
+
+
 def read_zero(s: Section) -> ZeroConfig:
     s.refuse(
         "cpu_offload",
@@ -223,6 +240,7 @@ def read_zero(s: Section) -> ZeroConfig:
         reduce_bucket_size=s.get("reduce_bucket_size", SIZE, 500_000_000, **POSITIVE),
         stage3_prefetch_bucket_size=s.get("stage3_prefetch_bucket_size", SIZE, 50_000_000, **POSITIVE),
         sub_group_size=s.get("sub_group_size", SIZE, 1_000_000_000, **POSITIVE),
+        leaf_module=_leaf_module(s.section("leaf_module")),
     )
     s.done()
     if out.offload_param.enabled and out.stage != 3:

@@ -7,13 +7,21 @@ collective's fixed latency. A bucket sits between the two:
 
   1. a post-accumulate-grad hook fires when a parameter's gradient is complete; it is added into its unit's
      staging buffer and `param.grad` is dropped (the gradient now lives only in the bucket);
-  2. when every parameter of a unit has arrived, the unit joins the current bucket;
+  2. when every parameter of a unit has arrived, the unit joins the current bucket, in a fixed order: the
+     collectives of all ranks pair up by their order, so every rank must reduce the same unit at the same
+     turn, whatever order its hooks fired in (a branch one rank's data never took fires no hook at all);
   3. once the bucket holds `reduce_bucket_size` elements it is reduce-scattered (asynchronously with
      `overlap_comm`), so rank r receives the averaged shard r of each unit in it;
   4. when a reduction completes, `deliver(index, shard)` hands the shard on: into the device gradient shard
      (ZeRO-2) or across PCIe into the host's fp32 gradient buffer (ZeRO-Offload, see offload.py).
 
-The device never holds more than the buckets in flight: about `reduce_bucket_size` elements, plus one unit.
+The fixed order is the units' own, backwards (backward usually finishes the last module first). A unit that
+finishes early waits for the units before it in that order; at the end of backward every unit not reduced yet
+is reduced, its missing gradients as zeros, as torch DDP does for unused parameters: each rank adds zero for a
+parameter it did not use, and the average is the one a single process would compute on the whole batch.
+
+The device holds the buckets in flight, about `reduce_bucket_size` elements, plus the units that finished out
+of order (in a sequential model, at most about one layer's).
 """
 
 from __future__ import annotations
@@ -56,6 +64,8 @@ class GradientBuckets:
         self._unit_of = {id(p): (index, i) for index, u in enumerate(units) for i, p in enumerate(u.params)}
         self._staging: dict[int, torch.Tensor] = {}  # unit index -> its full gradient being collected
         self._missing: dict[int, set[int]] = {}  # unit index -> its parameters whose gradient has not arrived
+        self._order = list(reversed(range(len(units))))  # the turn of each unit's reduction, the same on all ranks
+        self._turn = 0  # units self._order[:self._turn] have joined a bucket in this backward
         self._bucket: list[int] = []  # complete units waiting for the bucket to fill
         self._inflight: list = []  # (index, staging, shard, handle) of reductions started
 
@@ -68,23 +78,39 @@ class GradientBuckets:
         """The post-accumulate-grad hook: move `param.grad` into its unit's staging buffer."""
         index, i = self._unit_of[id(param)]
         unit = self.units[index]
-        staging = self._staging.get(index)
-        if staging is None:
-            # Every parameter's gradient is written once (its hook fires once per backward, after autograd has
-            # summed all its uses), so only the padding needs zeros; parameters that never arrive are zeroed
-            # when the unit is flushed.
-            staging = self._staging[index] = self.accel.empty(
-                unit.padded_numel, self.dtype, category="buckets"
-            )
-            staging[unit.numel :].zero_()
-            self._missing[index] = set(range(len(unit.params)))
+        staging = self._staging_of(index)
         staging[unit.offsets[i] : unit.offsets[i] + unit.numels[i]].copy_(param.grad.reshape(-1))
         self._missing[index].discard(i)
         param.grad = None  # the gradient lives only in the bucket now
         if not self._missing[index]:
             if self.on_unit_complete is not None:
                 self.on_unit_complete(index)
+            self._take_turns(until_incomplete=True)
+
+    def _staging_of(self, index: int) -> torch.Tensor:
+        staging = self._staging.get(index)
+        if staging is None:
+            # Every parameter's gradient is written once (its hook fires once per backward, after autograd has
+            # summed all its uses), so only the padding needs zeros; parameters that never arrive are zeroed
+            # when the unit is flushed.
+            unit = self.units[index]
+            staging = self._staging[index] = self.accel.empty(
+                unit.padded_numel, self.dtype, category="buckets"
+            )
+            staging[unit.numel :].zero_()
+            self._missing[index] = set(range(len(unit.params)))
+        return staging
+
+    def _take_turns(self, *, until_incomplete: bool) -> None:
+        """Move the units whose turn has come into the bucket, in the fixed order, flushing it when full; with
+        `until_incomplete`, stop at the first unit still missing a gradient (the end of backward does not)."""
+        while self._turn < len(self._order):
+            index = self._order[self._turn]
+            if until_incomplete and self._missing.get(index, True):  # not started, or not complete yet
+                return
+            self._staging_of(index)  # a unit no gradient reached on this rank: zeros
             self._bucket.append(index)
+            self._turn += 1
             if sum(self.units[j].padded_numel for j in self._bucket) >= self.bucket_numel:
                 self.flush()
 
@@ -126,7 +152,8 @@ class GradientBuckets:
 
     def finish(self) -> None:
         """End of backward: reduce what is left (the last bucket, units with unused parameters) and wait."""
-        self._bucket += [i for i in self._staging if i not in self._bucket]
+        self._take_turns(until_incomplete=False)
         self.flush()
         self.drain()
         self._missing.clear()
+        self._turn = 0

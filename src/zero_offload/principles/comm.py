@@ -147,6 +147,21 @@ class Comm:
         )
         return bool(tensor.item() > 0)
 
+    def gather_ints(self, value: int) -> list[int]:
+        """Every rank's `value`, in rank order (a control message: which unit each rank gathers next)."""
+        if self.world_size == 1:
+            return [value]
+        mine = torch.tensor([value], dtype=torch.int64, device=self.control_device)
+        every = torch.empty(self.world_size, dtype=torch.int64, device=self.control_device)
+        self._run(
+            "gather_order",  # counted apart: one per stage-3 gather, where the other control messages are per step
+            1,
+            lambda a: dist.all_gather_single(every, mine, group=self.group, async_op=a),
+            False,
+            tensors=(every, mine),
+        )
+        return every.tolist()
+
     def raise_together(self, error: BaseException | None, elsewhere: BaseException) -> None:
         """Raise on every rank if any rank failed: `error` where it happened, `elsewhere` on the others. A rank
         raising alone would leave the others waiting for it in their next collective."""

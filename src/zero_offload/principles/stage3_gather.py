@@ -13,7 +13,10 @@ import contextlib
 
 import torch
 
+from .stage3_leaves import GatherOrderError, find_leaf_modules, order_problem
 from .stage3_params import ParameterAccess
+
+END_OF_PASS = -1  # what a rank that has reached the end of a pass tells the others it gathers next
 
 
 class GatheredWeights:
@@ -28,10 +31,23 @@ class GatheredWeights:
         self.held: set[int] = set()  # units gathered_parameters() keeps gathered
         self.access = None  # stage 3: stage3_params.ParameterAccess
 
-    def _install_gather_hooks(self, model: torch.nn.Module) -> None:
+    def _install_gather_hooks(self, model: torch.nn.Module, leaf_config) -> None:
         """Gather each module's units before its forward and backward, release them after (stage3_params.py
-        also covers the reads of a parameter outside its own module's forward)."""
-        self.access = ParameterAccess(self, model, self._unit_of)
+        also covers the reads of a parameter outside its own module's forward); a leaf module's whole subtree
+        at once (stage3_leaves.py)."""
+        leaves = find_leaf_modules(model, leaf_config)
+        self.access = ParameterAccess(self, model, self._unit_of, leaves)
+
+    def _agree(self, index: int) -> None:
+        """Before a collective fills unit `index` (or, END_OF_PASS, when a pass ends): every rank must be at the
+        same unit, or the collective would pair one unit's shards with another's. One small all-gather of the
+        unit numbers; at the first difference every rank raises, before any weights are mixed."""
+        wanted = self.comm.gather_ints(index)
+        if len(set(wanted)) > 1:
+            phase = "backward" if self.in_backward else "forward"
+            raise GatherOrderError(
+                order_problem(phase, wanted, self.units, self.access.running_modules(), self.access.names)
+            )
 
     @property
     def in_backward(self) -> bool:
@@ -45,6 +61,7 @@ class GatheredWeights:
             unit.pending.wait()
             unit.pending = None
         elif not unit.gathered:
+            self._agree(index)
             self._start_gather(index, async_op=False)
         if prefetch:
             self._prefetch_after(index)
@@ -73,6 +90,7 @@ class GatheredWeights:
             if budget < 0:
                 break
             if not self.units[nxt].gathered:
+                self._agree(nxt)
                 self.units[nxt].pending = self._start_gather(nxt, async_op=True)
 
     def release(self, index: int) -> None:
@@ -88,6 +106,7 @@ class GatheredWeights:
 
     def _begin_phase(self, phase: str) -> None:
         if self.stage == 3:
+            self._agree(END_OF_PASS)  # a rank still gathering for the pass that ends here would hang on it
             if self._order[self._phase]:
                 self._recorded[self._phase] = True  # the pass that just ended has shown its order
             for index in range(len(self.units)):

@@ -63,8 +63,11 @@ class PartitionedParameter(torch.nn.Parameter):
         kwargs = kwargs or {}
         if _reads_elements(func):
             for param in _partitioned(args, kwargs):
-                if not param._zo_unit.gathered:
-                    if func in _DESCRIBE:
+                unit = param._zo_unit
+                # A prefetched unit is marked gathered while its all-gather may still be writing the buffer:
+                # reading it is safe only once the collective has landed.
+                if not unit.gathered or unit.pending is not None:
+                    if func in _DESCRIBE and not unit.gathered:
                         return param._zo_access.describe(param)
                     param._zo_access.gather_on_access(param)
         with torch._C.DisableTorchFunctionSubclass():  # results are plain tensors, as with any Parameter
@@ -78,28 +81,45 @@ class PartitionedAccessError(RuntimeError):
 class ParameterAccess:
     """The hooks and the bookkeeping that let every read of a stage-3 parameter find it gathered."""
 
-    def __init__(self, states, model: torch.nn.Module, unit_of: dict[int, tuple[int, int]]):
+    def __init__(self, states, model: torch.nn.Module, unit_of: dict[int, tuple[int, int]], leaves=()):
         self.states, self.unit_of = states, unit_of
+        self.names = {module: name for name, module in model.named_modules()}  # for the errors
         self._running: list[tuple[torch.nn.Module, set[int]]] = []  # forwards in progress, innermost last
-        # Units a module's forward gathered on access, by the innermost running module that has parameters of
-        # its own (None: no such module); its backward pre-hook gathers them again.
+        # Units a module's forward gathered on access, by the innermost running module whose hooks gather units
+        # (None: no such module); its backward pre-hook gathers them again.
         self._borrowed: dict[torch.nn.Module | None, set[int]] = {}
+        self._gathers: dict[torch.nn.Module, list[int]] = {}  # module -> the units its own hooks gather
         self._export = (lambda: None, {})  # (the state_dict being filled, its clones by parameter id)
         self._keep_vars = False
+        inside_leaf = {m for leaf in leaves for m in leaf.modules() if m is not leaf}
         for module in model.modules():
-            self._install(module)
+            # A leaf gathers its whole subtree (stage3_leaves.py); the modules inside it gather nothing.
+            if module in inside_leaf:
+                pass
+            elif module in leaves:
+                self._install(module, self._units_in(module.parameters()))
+            else:
+                self._install(module, self._own_units(module))
+            self._install_export(module)
         for unit in states.units:
             for param in unit.params:
                 param.__class__ = PartitionedParameter
                 param._zo_unit, param._zo_access = unit, self
 
-    def _own_units(self, module: torch.nn.Module) -> list[int]:
-        params = module.parameters(recurse=False)
+    def _units_in(self, params) -> list[int]:
         return sorted({self.unit_of[id(p)][0] for p in params if id(p) in self.unit_of})
 
-    def _install(self, module: torch.nn.Module) -> None:
-        own = self._own_units(module)
+    def _own_units(self, module: torch.nn.Module) -> list[int]:
+        return self._units_in(module.parameters(recurse=False))
+
+    def running_modules(self) -> list[torch.nn.Module]:
+        """The modules whose forward is running, outermost first."""
+        return [module for module, _ in self._running]
+
+    def _install(self, module: torch.nn.Module, own: list[int]) -> None:
+        """The hooks that gather `own` (units) around `module`'s forward and backward."""
         states = self.states
+        self._gathers[module] = own
 
         def enter(*_):
             self._running.append((module, set()))
@@ -121,6 +141,10 @@ class ParameterAccess:
         module.register_forward_hook(leave, always_call=True)
         if own:  # full backward hooks wrap the module's outputs: only where there is something to gather
             module.register_full_backward_pre_hook(gather_for_backward)
+
+    def _install_export(self, module: torch.nn.Module) -> None:
+        """state_dict() of `module` exports its own parameters' full weights (a leaf's children too)."""
+        if self._own_units(module):
             module.register_state_dict_pre_hook(self._before_export)
             module._register_state_dict_hook(self._export_module)
 
@@ -136,7 +160,7 @@ class ParameterAccess:
             )
         self.states.gather(index)
         self._running[-1][1].add(index)
-        owner = next((m for m, _ in reversed(self._running) if self._own_units(m)), None)
+        owner = next((m for m, _ in reversed(self._running) if self._gathers[m]), None)
         self._borrowed.setdefault(owner, set()).add(index)
 
     def describe(self, param: PartitionedParameter) -> str:
