@@ -64,7 +64,8 @@ class GradientBuckets:
         self._unit_of = {id(p): (index, i) for index, u in enumerate(units) for i, p in enumerate(u.params)}
         self._staging: dict[int, torch.Tensor] = {}  # unit index -> its full gradient being collected
         self._missing: dict[int, set[int]] = {}  # unit index -> its parameters whose gradient has not arrived
-        self._order = list(reversed(range(len(units))))  # the turn of each unit's reduction, the same on all ranks
+        # The turn of each unit's reduction, the same on all ranks.
+        self._order = list(reversed(range(len(units))))
         self._turn = 0  # units self._order[:self._turn] have joined a bucket in this backward
         self._bucket: list[int] = []  # complete units waiting for the bucket to fill
         self._inflight: list = []  # (index, staging, shard, handle) of reductions started
