@@ -40,3 +40,47 @@ def held_until_quiet(held, runner, *, after: int = 1, timeout: float = 60.0):
     helper.join()
     if failure:
         raise failure[0]
+
+
+@contextlib.contextmanager
+def deferred_gathers():
+    """Every asynchronous all-gather lands only when it is waited for; until then its buffer holds NaN.
+
+    The collective itself runs at once, in the same order on every rank, into a buffer of its own: only its
+    landing is held back. Code that reads a prefetched unit without waiting for its gather reads NaN, every time,
+    however fast the network is. Use it inside a rank's process (it patches that process's Comm)."""
+    import torch
+
+    from zero_offload.principles.comm import Comm
+
+    original = Comm.all_gather
+
+    def all_gather(self, full, shard, *, async_op=False):
+        if not async_op:
+            return original(self, full, shard)
+        landed = torch.empty_like(full)
+        original(self, landed, shard)
+        full.fill_(float("nan"))  # what a buffer still being written holds, as far as a reader can tell
+        return _Landing(full, landed)
+
+    Comm.all_gather = all_gather
+    try:
+        yield
+    finally:
+        Comm.all_gather = original
+
+
+class _Landing:
+    """The handle of a deferred gather: wait() copies the gathered values into place."""
+
+    def __init__(self, full, landed):
+        self.full, self.landed = full, landed
+
+    def is_completed(self) -> bool:
+        return self.landed is None
+
+    def wait(self) -> bool:
+        if self.landed is not None:
+            self.full.copy_(self.landed)
+            self.landed = None
+        return True
