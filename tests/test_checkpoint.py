@@ -149,7 +149,13 @@ def _two_ranks(rank, world_size, directory):
 def test_a_two_rank_checkpoint_resumes_at_two_ranks_exactly_and_at_one_rank_at_other_stages(tmp_path):
     ckpt = tmp_path / "ckpt"
     results = check(run_ranks(_two_ranks, 2, str(ckpt), timeout_s=120))
-    assert sorted(os.listdir(ckpt)) == ["meta.json", "rank00000-of-00002.pt", "rank00001-of-00002.pt"]
+    assert sorted(os.listdir(ckpt)) == ["latest", "step00000003"]
+    assert (ckpt / "latest").read_text() == "step00000003\n"
+    assert sorted(os.listdir(ckpt / "step00000003")) == [
+        "meta.json",
+        "rank00000-of-00002.pt",
+        "rank00001-of-00002.pt",
+    ]
     for result in results:
         assert result["resumed"] == result["straight"]
         for name, weight in result["final"].items():
@@ -168,9 +174,12 @@ def test_a_two_rank_checkpoint_resumes_at_two_ranks_exactly_and_at_one_rank_at_o
         assert max_rel(_full_weights(engine), results[0]["final"]) < 1e-6
 
 
+NANO_TAG = "step00000002"
+
+
 @pytest.fixture(scope="module")
 def nano_checkpoint(tmp_path_factory):
-    """A stage-0 fp32 checkpoint after two steps."""
+    """A stage-0 fp32 checkpoint after two steps (its save is in folder NANO_TAG)."""
     engine = _engine(_config(0))
     _train(engine, range(2))
     path = tmp_path_factory.mktemp("nano") / "ckpt"
@@ -212,9 +221,12 @@ def test_to_fp32_says_what_is_wrong_with_the_directory(tmp_path, nano_checkpoint
     err = capsys.readouterr().err
     assert "is not a checkpoint" in err and str(tmp_path / "empty") in err
     unfinished = _copy(nano_checkpoint, tmp_path)
-    (unfinished / "meta.json").unlink()
+    (unfinished / NANO_TAG / "meta.json").unlink()
     assert main(["checkpoint", "to-fp32", str(unfinished), str(out)]) == 2
     assert "did not finish on every rank" in capsys.readouterr().err
+    (unfinished / "latest").unlink()  # as the first save of a directory, killed, leaves it
+    assert main(["checkpoint", "to-fp32", str(unfinished), str(out)]) == 2
+    assert f"holds no complete checkpoint: {NANO_TAG} did not finish" in capsys.readouterr().err
     assert not out.exists()
 
 
@@ -235,7 +247,7 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_parameters(nano_che
 
 
 def test_a_missing_or_foreign_rank_file_is_named(nano_checkpoint, tmp_path):
-    copy = _copy(nano_checkpoint, tmp_path)
+    copy = _copy(nano_checkpoint, tmp_path) / NANO_TAG
     meta = json.loads((copy / "meta.json").read_text())
     (copy / "meta.json").write_text(json.dumps({**meta, "global_steps": 7}))  # as if another save wrote it
     with pytest.raises(
@@ -267,9 +279,10 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatc
     with pytest.raises(CheckpointError) as failure:
         engine.save_checkpoint(tmp_path / "ckpt")
     message = str(failure.value)
-    assert str(tmp_path / "ckpt" / "rank00000-of-00001.pt") in message
+    assert str(tmp_path / "ckpt" / "step00000004" / "rank00000-of-00001.pt") in message
     assert "No space left on device" in message and "free some space" in message
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["meta.json", "rank00000-of-00001.pt"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step00000003"]
+    assert sorted(os.listdir(tmp_path / "ckpt" / "step00000003")) == ["meta.json", "rank00000-of-00001.pt"]
     monkeypatch.undo()
     fresh = _engine(config, seed=1)
     fresh.load_checkpoint(tmp_path / "ckpt")
@@ -284,8 +297,10 @@ def test_files_take_the_users_permissions_and_stay_in_the_directory(tmp_path):
     finally:
         os.umask(old)
     assert os.listdir(tmp_path) == ["ckpt"]
-    assert stat.S_IMODE((tmp_path / "ckpt").stat().st_mode) == 0o750
-    for file in (tmp_path / "ckpt").iterdir():
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step00000000"]
+    for folder in (tmp_path / "ckpt", tmp_path / "ckpt" / "step00000000"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o750
+    for file in [tmp_path / "ckpt" / "latest", *(tmp_path / "ckpt" / "step00000000").iterdir()]:
         assert stat.S_IMODE(file.stat().st_mode) == 0o640, file.name
         if file.suffix == ".pt":
             assert torch.load(file, weights_only=True)["format"] == FORMAT  # plain torch can read it safely
@@ -307,7 +322,7 @@ class _Payload:
 def test_a_rank_file_that_would_run_code_is_refused(nano_checkpoint, tmp_path, capsys):
     copy = _copy(nano_checkpoint, tmp_path)
     marker = tmp_path / "code-ran"
-    rank_file = copy / "rank00000-of-00001.pt"
+    rank_file = copy / NANO_TAG / "rank00000-of-00001.pt"
     torch.save({"format": FORMAT, "payload": _Payload(str(marker))}, rank_file)
     with pytest.raises(
         CheckpointError, match=r"refusing to load .*rank00000-of-00001\.pt.*Unsupported global: GLOBAL .*open"
