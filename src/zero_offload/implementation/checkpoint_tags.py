@@ -11,7 +11,8 @@ finish, and loading says that it skipped it. A directory without `latest` that h
 itself (as saves wrote them before tags, or one tag folder given directly) is loaded as it is.
 
 Retention, by rank 0 once `latest` names the new save: the newest save and the one `latest` named before stay;
-other folders of saves that did not finish, and complete ones under a default tag (stepNNNNNNNN), are removed.
+other folders of saves that did not finish, complete ones under a default tag (stepNNNNNNNN), and temporary
+files of `latest` that a killed save left are removed.
 A tag the caller chose is kept once complete, and a folder holding anything a save does not write is never
 touched.
 """
@@ -170,6 +171,10 @@ def prune(path: Path, keep: set[str]) -> None:
         unfinished = not (folder / META).is_file()
         if folder.name not in keep and (unfinished or _DEFAULT_TAG.fullmatch(folder.name)):
             discard(folder)
+    for file in path.iterdir():  # a temporary `latest` that a killed save left
+        temp = _TEMP.fullmatch(file.name)
+        if temp and temp.group(1) == LATEST and file.is_file() and not file.is_symlink():
+            file.unlink(missing_ok=True)
 
 
 def discard(folder: Path) -> None:
