@@ -362,3 +362,40 @@ def test_buffers_and_frozen_weights_travel_with_the_checkpoint(tmp_path):
     state = consolidate(tmp_path / "ckpt")
     assert list(state) == list(fresh_model.state_dict())
     _with_extras(TinyGPT("nano", seed=1), 3.0).load_state_dict(state)
+
+
+def test_saves_keep_the_newest_two_default_tags_and_never_a_users_folder(tmp_path):
+    engine, path = _engine(_config(0)), tmp_path / "ckpt"
+    (path / "notes").mkdir(parents=True)
+    (path / "notes" / "meta.json").write_text("{}")  # a user's own folder, though it has a meta.json
+    engine.save_checkpoint(path, tag="best")
+    for step in range(3):
+        _train(engine, range(step, step + 1))
+        engine.save_checkpoint(path)
+    assert sorted(os.listdir(path)) == ["best", "latest", "notes", "step00000002", "step00000003"]
+    assert (path / "latest").read_text() == "step00000003\n"
+    with pytest.raises(CheckpointError, match=r"step00000003 already holds a complete checkpoint"):
+        engine.save_checkpoint(path)
+    with pytest.raises(CheckpointError, match=r"tag '\.\./out' is not a plain folder name"):
+        engine.save_checkpoint(path, tag="../out")
+    (path / "notes" / "meta.json").unlink()
+    (path / "notes" / "rank00000-of-00001.pt").write_bytes(b"")
+    (path / "notes" / "todo.txt").write_text("")
+    with pytest.raises(CheckpointError, match=r"notes exists and holds files that are not a checkpoint's"):
+        engine.save_checkpoint(path, tag="notes")
+    fresh = _engine(_config(0), seed=1)
+    fresh.load_checkpoint(path)
+    assert fresh.global_steps == 3
+    fresh.load_checkpoint(path / "best")  # one save's folder loads by itself
+    assert fresh.global_steps == 0
+
+
+def test_a_checkpoint_written_before_tags_still_loads(tmp_path, nano_checkpoint):
+    old = tmp_path / "old"  # rank files and meta.json right in the directory, no `latest`
+    shutil.copytree(nano_checkpoint / NANO_TAG, old)
+    fresh = _engine(_config(0), seed=1)
+    fresh.load_checkpoint(old)
+    assert fresh.global_steps == 2
+    fresh.save_checkpoint(old)  # a new save beside it leaves its files alone; `latest` now decides
+    assert sorted(os.listdir(old)) == ["latest", "meta.json", "rank00000-of-00001.pt", "step00000002"]
+    assert consolidate(old).keys() == consolidate(nano_checkpoint).keys()
