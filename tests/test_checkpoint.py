@@ -149,7 +149,13 @@ def _two_ranks(rank, world_size, directory):
 def test_a_two_rank_checkpoint_resumes_at_two_ranks_exactly_and_at_one_rank_at_other_stages(tmp_path):
     ckpt = tmp_path / "ckpt"
     results = check(run_ranks(_two_ranks, 2, str(ckpt), timeout_s=120))
-    assert sorted(os.listdir(ckpt)) == ["meta.json", "rank00000-of-00002.pt", "rank00001-of-00002.pt"]
+    assert sorted(os.listdir(ckpt)) == ["latest", "step00000003"]
+    assert (ckpt / "latest").read_text() == "step00000003\n"
+    assert sorted(os.listdir(ckpt / "step00000003")) == [
+        "meta.json",
+        "rank00000-of-00002.pt",
+        "rank00001-of-00002.pt",
+    ]
     for result in results:
         assert result["resumed"] == result["straight"]
         for name, weight in result["final"].items():
@@ -168,9 +174,12 @@ def test_a_two_rank_checkpoint_resumes_at_two_ranks_exactly_and_at_one_rank_at_o
         assert max_rel(_full_weights(engine), results[0]["final"]) < 1e-6
 
 
+NANO_TAG = "step00000002"
+
+
 @pytest.fixture(scope="module")
 def nano_checkpoint(tmp_path_factory):
-    """A stage-0 fp32 checkpoint after two steps."""
+    """A stage-0 fp32 checkpoint after two steps (its save is in folder NANO_TAG)."""
     engine = _engine(_config(0))
     _train(engine, range(2))
     path = tmp_path_factory.mktemp("nano") / "ckpt"
@@ -212,9 +221,12 @@ def test_to_fp32_says_what_is_wrong_with_the_directory(tmp_path, nano_checkpoint
     err = capsys.readouterr().err
     assert "is not a checkpoint" in err and str(tmp_path / "empty") in err
     unfinished = _copy(nano_checkpoint, tmp_path)
-    (unfinished / "meta.json").unlink()
+    (unfinished / NANO_TAG / "meta.json").unlink()
     assert main(["checkpoint", "to-fp32", str(unfinished), str(out)]) == 2
     assert "did not finish on every rank" in capsys.readouterr().err
+    (unfinished / "latest").unlink()  # as the first save of a directory, killed, leaves it
+    assert main(["checkpoint", "to-fp32", str(unfinished), str(out)]) == 2
+    assert f"holds no complete checkpoint: {NANO_TAG} did not finish" in capsys.readouterr().err
     assert not out.exists()
 
 
@@ -235,7 +247,7 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_parameters(nano_che
 
 
 def test_a_missing_or_foreign_rank_file_is_named(nano_checkpoint, tmp_path):
-    copy = _copy(nano_checkpoint, tmp_path)
+    copy = _copy(nano_checkpoint, tmp_path) / NANO_TAG
     meta = json.loads((copy / "meta.json").read_text())
     (copy / "meta.json").write_text(json.dumps({**meta, "global_steps": 7}))  # as if another save wrote it
     with pytest.raises(
@@ -267,9 +279,10 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatc
     with pytest.raises(CheckpointError) as failure:
         engine.save_checkpoint(tmp_path / "ckpt")
     message = str(failure.value)
-    assert str(tmp_path / "ckpt" / "rank00000-of-00001.pt") in message
+    assert str(tmp_path / "ckpt" / "step00000004" / "rank00000-of-00001.pt") in message
     assert "No space left on device" in message and "free some space" in message
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["meta.json", "rank00000-of-00001.pt"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step00000003"]
+    assert sorted(os.listdir(tmp_path / "ckpt" / "step00000003")) == ["meta.json", "rank00000-of-00001.pt"]
     monkeypatch.undo()
     fresh = _engine(config, seed=1)
     fresh.load_checkpoint(tmp_path / "ckpt")
@@ -284,8 +297,10 @@ def test_files_take_the_users_permissions_and_stay_in_the_directory(tmp_path):
     finally:
         os.umask(old)
     assert os.listdir(tmp_path) == ["ckpt"]
-    assert stat.S_IMODE((tmp_path / "ckpt").stat().st_mode) == 0o750
-    for file in (tmp_path / "ckpt").iterdir():
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step00000000"]
+    for folder in (tmp_path / "ckpt", tmp_path / "ckpt" / "step00000000"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o750
+    for file in [tmp_path / "ckpt" / "latest", *(tmp_path / "ckpt" / "step00000000").iterdir()]:
         assert stat.S_IMODE(file.stat().st_mode) == 0o640, file.name
         if file.suffix == ".pt":
             assert torch.load(file, weights_only=True)["format"] == FORMAT  # plain torch can read it safely
@@ -307,7 +322,7 @@ class _Payload:
 def test_a_rank_file_that_would_run_code_is_refused(nano_checkpoint, tmp_path, capsys):
     copy = _copy(nano_checkpoint, tmp_path)
     marker = tmp_path / "code-ran"
-    rank_file = copy / "rank00000-of-00001.pt"
+    rank_file = copy / NANO_TAG / "rank00000-of-00001.pt"
     torch.save({"format": FORMAT, "payload": _Payload(str(marker))}, rank_file)
     with pytest.raises(
         CheckpointError, match=r"refusing to load .*rank00000-of-00001\.pt.*Unsupported global: GLOBAL .*open"
@@ -347,3 +362,40 @@ def test_buffers_and_frozen_weights_travel_with_the_checkpoint(tmp_path):
     state = consolidate(tmp_path / "ckpt")
     assert list(state) == list(fresh_model.state_dict())
     _with_extras(TinyGPT("nano", seed=1), 3.0).load_state_dict(state)
+
+
+def test_saves_keep_the_newest_two_default_tags_and_never_a_users_folder(tmp_path):
+    engine, path = _engine(_config(0)), tmp_path / "ckpt"
+    (path / "notes").mkdir(parents=True)
+    (path / "notes" / "meta.json").write_text("{}")  # a user's own folder, though it has a meta.json
+    engine.save_checkpoint(path, tag="best")
+    for step in range(3):
+        _train(engine, range(step, step + 1))
+        engine.save_checkpoint(path)
+    assert sorted(os.listdir(path)) == ["best", "latest", "notes", "step00000002", "step00000003"]
+    assert (path / "latest").read_text() == "step00000003\n"
+    with pytest.raises(CheckpointError, match=r"step00000003 already holds a complete checkpoint"):
+        engine.save_checkpoint(path)
+    with pytest.raises(CheckpointError, match=r"tag '\.\./out' is not a plain folder name"):
+        engine.save_checkpoint(path, tag="../out")
+    (path / "notes" / "meta.json").unlink()
+    (path / "notes" / "rank00000-of-00001.pt").write_bytes(b"")
+    (path / "notes" / "todo.txt").write_text("")
+    with pytest.raises(CheckpointError, match=r"notes exists and holds files that are not a checkpoint's"):
+        engine.save_checkpoint(path, tag="notes")
+    fresh = _engine(_config(0), seed=1)
+    fresh.load_checkpoint(path)
+    assert fresh.global_steps == 3
+    fresh.load_checkpoint(path / "best")  # one save's folder loads by itself
+    assert fresh.global_steps == 0
+
+
+def test_a_checkpoint_written_before_tags_still_loads(tmp_path, nano_checkpoint):
+    old = tmp_path / "old"  # rank files and meta.json right in the directory, no `latest`
+    shutil.copytree(nano_checkpoint / NANO_TAG, old)
+    fresh = _engine(_config(0), seed=1)
+    fresh.load_checkpoint(old)
+    assert fresh.global_steps == 2
+    fresh.save_checkpoint(old)  # a new save beside it leaves its files alone; `latest` now decides
+    assert sorted(os.listdir(old)) == ["latest", "meta.json", "rank00000-of-00001.pt", "step00000002"]
+    assert consolidate(old).keys() == consolidate(nano_checkpoint).keys()

@@ -26,6 +26,7 @@ from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss
 
 BATCHES = ByteBatches(fixed_corpus(), SEQ, seed=5)
 RANK0 = "rank00000-of-00001.pt"
+TAG = "step00000002"  # the folder of the save in `saved`
 
 
 def _engine(stage=0, seed=0):
@@ -50,7 +51,8 @@ def saved(tmp_path_factory):
 
 @pytest.fixture
 def copy(saved, tmp_path):
-    return shutil.copytree(saved, tmp_path / "copy")
+    """A copy of the save's own folder: it loads as it is, as a checkpoint written before tags does."""
+    return shutil.copytree(saved, tmp_path / "copy") / TAG
 
 
 def _edit_meta(path, **fields) -> None:
@@ -211,12 +213,13 @@ def test_a_disk_that_fills_inside_torch_save_names_the_disk_the_size_and_the_las
     with pytest.raises(CheckpointError) as failure:
         engine.save_checkpoint(tmp_path / "step_2")
     message = str(failure.value)
-    assert f"could not write {tmp_path / 'step_2' / RANK0}: No space left on device: the disk at /" in message
+    target = tmp_path / "step_2" / "step00000001" / RANK0
+    assert f"could not write {target}: No space left on device: the disk at /" in message
     needed = 12 * engine.num_params / 1e6  # master, m and v in fp32
     assert f"needs about {needed:,.1f} MB in all" in message, message
     assert "free some space on that disk" in message
     assert f"The last good checkpoint is {tmp_path / 'step_1'} (step 1)." in message
-    assert os.listdir(tmp_path / "step_2") == []  # the temporary file is gone
+    assert os.listdir(tmp_path / "step_2") == []  # the unfinished save is gone, its temporary file with it
     assert sorted(os.listdir(tmp_path / "step_1")) == before
     monkeypatch.undo()
     _engine(seed=1).load_checkpoint(tmp_path / "step_1")
@@ -261,7 +264,7 @@ def test_a_link_planted_at_a_temporary_name_is_never_written_through_nor_removed
     victim.write_text("precious")
     path = tmp_path / "ckpt"
     path.mkdir()
-    old_name = path / f".{RANK0}.{os.getpid()}.tmp"  # the name temporary files had before
+    old_name = path / f".latest.{os.getpid()}.tmp"  # the name temporary files had before
     old_name.symlink_to(victim)
     engine = _engine()
     engine.save_checkpoint(path)
@@ -270,11 +273,12 @@ def test_a_link_planted_at_a_temporary_name_is_never_written_through_nor_removed
 
     # Even a name an attacker guesses is refused rather than followed: here every name is guessed.
     monkeypatch.setattr(durable, "temp_name", lambda final: final.with_name(f".{final.name}.guessed.tmp"))
-    guessed = path / f".{RANK0}.guessed.tmp"
+    guessed = path / ".latest.guessed.tmp"
     guessed.symlink_to(victim)
     with pytest.raises(
-        CheckpointError, match=rf"could not write {path / RANK0}.*every temporary name tried was taken"
+        CheckpointError, match=rf"could not write {path / 'latest'}.*every temporary name tried was taken"
     ):
-        engine.save_checkpoint(path)
+        engine.save_checkpoint(path, tag="again")
     assert victim.read_text() == "precious" and guessed.is_symlink()
+    assert not (path / "again").exists()  # the save that could not be published is gone
     consolidate(path)  # the checkpoint saved before is whole

@@ -26,9 +26,10 @@ def test_finetune_llama_trains_checkpoints_and_exports(tmp_path):
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
-    # --save-every 2 over 3 steps: step 2, and the last step; meta.json marks a complete checkpoint.
+    # --save-every 2 over 3 steps: step 2, and the last step; `latest` marks a complete checkpoint.
     assert {p.name for p in (out / "checkpoints").iterdir()} == {"step_2", "step_3"}
-    assert (out / "checkpoints" / "step_3" / "meta.json").is_file()
+    assert (out / "checkpoints" / "step_3" / "step00000003" / "meta.json").is_file()
+    assert (out / "checkpoints" / "step_3" / "latest").read_text() == "step00000003\n"
     assert "from_pretrained loads it and generates" in result.stdout
 
     spec = importlib.util.spec_from_file_location("finetune_llama_train", LLAMA)

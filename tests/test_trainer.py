@@ -20,6 +20,7 @@ from distributed import free_port
 
 from zero_offload import plots
 from zero_offload.cli import main
+from zero_offload.implementation import checkpoint
 from zero_offload.practice.run_dir import newest_complete
 
 REPO = Path(__file__).resolve().parents[1]
@@ -214,7 +215,7 @@ def test_a_killed_rank_ends_the_job_with_an_error_that_says_how_to_resume(tmp_pa
     resume_from = Path(
         re.search(r"plus --resume: training continues from the last checkpoint, (\S+),", log)[1]
     )
-    assert resume_from.parent == out / "checkpoints" and (resume_from / "meta.json").is_file()
+    assert resume_from.parent == out / "checkpoints" and checkpoint.complete(resume_from)
 
     # --resume continues from there, here on one process: the losses of one uninterrupted process (to 1e-5, as
     # the world size changed), with the steps before the kill in the report.

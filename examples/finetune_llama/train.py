@@ -85,8 +85,8 @@ def evaluate(engine, data: ByteBatches, batches: int = 4) -> float:
 
 
 def newest_checkpoint(root: Path) -> Path | None:
-    # meta.json is written last, once every rank's file is in place: a directory without it is incomplete.
-    done = [p.parent for p in root.glob("step_*/meta.json")]
+    # `latest` is written last, once every rank's file and meta.json are in place: without it, a save is unfinished.
+    done = [p.parent for p in root.glob("step_*/latest")]
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 

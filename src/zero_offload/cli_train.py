@@ -38,11 +38,12 @@ def run_train(args) -> int:
 
 
 def run_checkpoint(args) -> int:
-    from .implementation.checkpoint import CheckpointError, read_meta, to_fp32
+    from .implementation.checkpoint import CheckpointError, checkpoint_folder, read_meta, to_fp32
 
     try:
-        meta = read_meta(args.dir)
-        state = to_fp32(args.dir, args.out)
+        folder = checkpoint_folder(args.dir)  # once: it warns of an unfinished save it skips
+        meta = read_meta(folder)
+        state = to_fp32(folder, args.out)
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -225,14 +225,15 @@ class Engine:
                     leave_launcher_group()
 
     # -- checkpoints (implementation/checkpoint.py) ------------------------------------------------------------------
-    def save_checkpoint(self, path) -> None:
-        """Every rank writes its shard of the model states, with what it takes to resume, into directory `path`."""
+    def save_checkpoint(self, path, tag: str | None = None) -> None:
+        """Every rank writes its shard of the model states, with what it takes to resume, into directory `path`
+        (into its folder `tag`, by default the step; `path/latest` names the newest complete one)."""
         self.synchronize()  # under a delayed update a checkpoint is a synchronisation point
-        save_checkpoint(self, path)
+        save_checkpoint(self, path, tag)
         self.skip_guard.last_checkpoint = (str(path), self.global_steps)  # what a diverged run goes back to
 
     def load_checkpoint(self, path) -> None:
-        """Resume from `path`, saved by any world size: shards are re-cut for this one."""
+        """Resume from `path` (the save its `latest` names), saved by any world size: shards are re-cut for this one."""
         self.synchronize()  # an update in flight must not land on top of the loaded states
         load_checkpoint(self, path)
         self.skip_guard.last_checkpoint = (str(path), self.global_steps)

@@ -1,12 +1,18 @@
 """Checkpoints that outlive the run that wrote them: any world size or ZeRO stage can load them.
 
-A checkpoint is a directory:
+`save_checkpoint(engine, dir, tag=None)` writes one save into its own folder and then points `latest` at it:
 
-  rank00000-of-00002.pt   one file per rank: its pieces of the fp32 master weights and of Adam's m and v,
-  rank00001-of-00002.pt   each labelled with the parameter's name and where it starts in the flattened
-                          parameter; and what it takes to resume: steps, Adam's step count, loss scale,
-                          lr schedule, RNG states
-  meta.json               a readable summary, written by rank 0 last, once every rank's file is in place
+  dir/step00000016/         one save (its tag defaults to the step; pass tag= to choose one)
+    rank00000-of-00002.pt   one file per rank: its pieces of the fp32 master weights and of Adam's m and v,
+    rank00001-of-00002.pt   each labelled with the parameter's name and where it starts in the flattened
+                            parameter; and what it takes to resume: steps, Adam's step count, loss scale,
+                            lr schedule, RNG states
+    meta.json               a readable summary, written by rank 0 once every rank's file is in place
+  dir/latest                the tag of the newest complete save, replaced by rank 0 last of all
+
+A save killed at any moment leaves `latest` naming the previous save, whole; checkpoint_tags.py says how
+loading follows `latest` and which older saves are kept. `load_checkpoint(engine, dir)` also loads a folder
+that holds rank files and meta.json itself: one save's folder, or a checkpoint written before tags.
 
 Pieces are stored by parameter name, not by shard, because a shard is an accident of the run: stage 0 keeps
 one flat buffer, stages 1-3 cut each module's buffer into world-size shards with padding. Loading puts the
@@ -19,7 +25,7 @@ in exactly one): a damaged or hand-edited checkpoint is refused, naming the file
 instead of loading wrong weights.
 
 This file saves and loads; checkpoint_format.py says what goes into each file, checkpoint_read.py reads the
-files back and verifies them, durable.py writes them safely.
+files back and verifies them, checkpoint_tags.py finds the save to load, durable.py writes files safely.
 """
 
 from __future__ import annotations
@@ -34,11 +40,11 @@ from pathlib import Path
 
 import torch
 
+from . import checkpoint_tags as tags
 from .checkpoint_format import (
     CHECKSUMS,
     FORMAT,
     META,
-    RANK_FILE_NAME,
     STATES,
     meta_summary,
     model_entries,
@@ -48,6 +54,7 @@ from .checkpoint_format import (
     units_of,
 )
 from .checkpoint_read import assemble, check_fits, read_meta, read_rank_files
+from .checkpoint_tags import checkpoint_folder, complete
 from .durable import CheckpointError, fsync_dir, mount_point, os_error_behind, write_error, write_temp
 
 # Importers (the engine, the trainer, the `zo` command, tests) take these from here.
@@ -57,6 +64,8 @@ __all__ = [
     "META",
     "STATES",
     "CheckpointError",
+    "checkpoint_folder",
+    "complete",
     "consolidate",
     "load_checkpoint",
     "rank_file",
@@ -74,14 +83,14 @@ def _megabytes(nbytes: int) -> str:
 def _last_good(engine, path: Path) -> str:
     """Where the run can go back to: the engine's last checkpoint, or one already in `path`, if complete."""
     last = getattr(getattr(engine, "skip_guard", None), "last_checkpoint", None)
-    if last is not None and (Path(last[0]) / META).is_file():
+    if last is not None and tags.complete(last[0]):
         return f"The last good checkpoint is {last[0]} (step {last[1]})."
-    if (path / META).is_file():
+    if tags.complete(path):
         return f"The last good checkpoint is the one already in {path}."
     return "No earlier checkpoint is known to this run."
 
 
-def _save_error(engine, final: Path, state: dict, err: Exception, outcome: str) -> Exception:
+def _save_error(engine, path: Path, final: Path, state: dict, err: Exception, outcome: str) -> Exception:
     """The CheckpointError for a rank file that could not be written: a full disk names the disk, the bytes
     the checkpoint needs and the last good checkpoint. Anything that is no write failure passes unchanged."""
     found = os_error_behind(err)
@@ -96,7 +105,7 @@ def _save_error(engine, final: Path, state: dict, err: Exception, outcome: str) 
             f"could not write {final}: {os.strerror(errno.ENOSPC)}: the disk at {mount_point(directory)} has "
             f"{_megabytes(free)} free, and the checkpoint needs about {_megabytes(needed)} in all "
             f"({_megabytes(mine)} for this rank's file); free some space on that disk or save to another "
-            f"directory. {outcome} {_last_good(engine, final.parent)}"
+            f"directory. {outcome} {_last_good(engine, path)}"
         )
     return err if found is None else write_error(final, found, outcome)
 
@@ -107,50 +116,57 @@ def _elsewhere(outcome: str = "") -> CheckpointError:
     )
 
 
-def save_checkpoint(engine, path) -> None:
-    """Every rank writes its file into directory `path`; rank 0 adds meta.json once all are in place.
+def _raise_together(comm, error, elsewhere, folder: Path) -> None:
+    """comm.raise_together; when it raises, every rank is done with `folder`, and rank 0 removes the save."""
+    try:
+        comm.raise_together(error, elsewhere)
+    except CheckpointError:  # not a lost rank (that raises something else): nobody writes there any more
+        if comm.rank == 0:
+            tags.discard(folder)
+        raise
 
-    Two phases, so that a failure anywhere (a full disk) leaves a previous checkpoint in `path` whole: every
-    rank first writes a temporary file; only when all have succeeded does each rename its file into place.
+
+def save_checkpoint(engine, path, tag: str | None = None) -> None:
+    """Every rank writes its file into `path/tag`; rank 0 adds meta.json, then points `path/latest` at `tag`.
+
+    Until `latest` moves, the previous checkpoint in `path` is the one that loads: a failure (a full disk) or a
+    process killed anywhere in between leaves it whole. `tag` defaults to the step, e.g. step00000016.
     """
     path, comm = Path(path), engine.comm
+    tag = tags.check_tag(tags.default_tag(engine.global_steps) if tag is None else tag)
+    folder = path / tag
     state = rank_state(engine)
-    final = path / rank_file(comm.rank, comm.world_size)
-    temp, error = None, None
     kept = f"Any previous checkpoint in {path} is left as it was."
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        temp = write_temp(final, lambda file: torch.save(state, file))
-    except Exception as err:  # raised below on every rank, never here alone
-        error = _save_error(engine, final, state, err, kept)
-    try:
-        comm.raise_together(error, _elsewhere(f"{kept} {_last_good(engine, path)}"))
-    except Exception:
-        if temp is not None:
-            temp.unlink(missing_ok=True)
-        raise
-    try:
-        os.replace(temp, final)
-        fsync_dir(path)
-    except OSError as err:
-        temp.unlink(missing_ok=True)
-        error = write_error(final, err, "The checkpoint in that directory may now mix two saves.")
-    comm.raise_together(error, _elsewhere())
-    if comm.rank == 0:
+    error, previous = None, None
+    if comm.rank == 0:  # before any rank writes: the others must not find a folder that is about to go
         try:
-            # Rank files that an earlier save by another world size left here belong to no checkpoint now.
-            for old in path.iterdir():
-                match = RANK_FILE_NAME.fullmatch(old.name)
-                if match and int(match.group(2)) != comm.world_size:
-                    old.unlink()
-            meta = json.dumps(meta_summary(engine, state), indent=2) + "\n"
-            os.replace(write_temp(path / META, lambda file: file.write(meta.encode())), path / META)
-            fsync_dir(path)
+            previous = tags.prepare(path, tag)
+        except CheckpointError as err:
+            error = err
         except OSError as err:
-            error = write_error(
-                path / META, err, f"The rank files are in place but {META} is not: do not use it."
-            )
-    comm.raise_together(error, _elsewhere())  # also a barrier: no rank returns before meta.json exists
+            error = write_error(folder, err, kept)
+    comm.raise_together(error, _elsewhere(kept))
+    final = folder / rank_file(comm.rank, comm.world_size)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        os.replace(write_temp(final, lambda file: torch.save(state, file)), final)
+        fsync_dir(folder)
+    except Exception as err:  # raised below on every rank, never here alone
+        error = _save_error(engine, path, final, state, err, kept)
+    _raise_together(comm, error, _elsewhere(f"{kept} {_last_good(engine, path)}"), folder)
+    if comm.rank == 0:
+        target = folder / META
+        try:
+            meta = json.dumps(meta_summary(engine, state), indent=2) + "\n"
+            os.replace(write_temp(target, lambda file: file.write(meta.encode())), target)
+            fsync_dir(folder)
+            target = path / tags.LATEST
+            tags.publish(path, tag)
+        except OSError as err:
+            error = write_error(target, err, kept)
+    _raise_together(comm, error, _elsewhere(kept), folder)  # also a barrier: no rank returns before `latest`
+    if comm.rank == 0:
+        tags.prune(path, keep={tag, previous})
 
 
 # -- loading -------------------------------------------------------------------------------------------------
@@ -160,6 +176,7 @@ def load_checkpoint(engine, path) -> None:
     Every rank reads every rank file and rebuilds whole fp32 parameters (and m, v) before taking its own
     shard: host memory for three fp32 copies of the model, but the resharding stays obvious.
     """
+    path = tags.checkpoint_folder(path)
     files = read_rank_files(path)
     saved = files[0]
     check_fits(path, saved, engine.model)
@@ -223,6 +240,7 @@ def consolidate(path) -> dict[str, torch.Tensor]:
     A tied weight appears under every key the model's state_dict has for it, as one tensor; buffers and frozen
     parameters are included as they were saved.
     """
+    path = tags.checkpoint_folder(path)
     files = read_rank_files(path)
     saved = files[0]
     full = assemble(path, files, ("master",))

@@ -28,12 +28,14 @@ from .checkpoint_format import (
     rank_file,
     saved_tensors,
 )
+from .checkpoint_tags import checkpoint_folder
 from .durable import CheckpointError
 
 
 def read_meta(path) -> dict:
-    """meta.json of checkpoint directory `path`, with an error that says what is wrong if there is none."""
-    path = Path(path)
+    """meta.json of checkpoint directory `path` (of the save its `latest` names), with an error that says what
+    is wrong if there is none."""
+    path = checkpoint_folder(path)
     if not path.is_dir():
         why = "it is not a directory" if path.exists() else "no such directory"
         raise CheckpointError(f"no checkpoint at {path}: {why}; pass the directory save_checkpoint wrote")
@@ -147,7 +149,7 @@ def _load_file(file: Path) -> dict:
 
 def read_rank_files(path) -> list[dict]:
     """Every rank file of checkpoint `path`, checked to belong to one and the same save."""
-    path = Path(path)
+    path = checkpoint_folder(path)
     meta = read_meta(path)
     world = int(meta["world_size"])
     names = [rank_file(r, world) for r in range(world)]

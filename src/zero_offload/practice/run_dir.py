@@ -1,11 +1,12 @@
 """The files of one `zo train` run under --out: the checkpoints it resumes from, and its report.
 
-    <out>/checkpoints/step_<n>/   engine.save_checkpoint's files, plus history.json: the losses, eval losses and
-                                  step times of steps 1..n, so that a resumed run reports the whole run
+    <out>/checkpoints/step_<n>/   engine.save_checkpoint's directory (its save step<n> and `latest`), plus
+                                  history.json: the losses, eval losses and step times of steps 1..n, so that a
+                                  resumed run reports the whole run
     <out>/summary.json, loss.png, throughput.png, memory.png       rank 0, at the end (timeline.png: the engine)
 
-A checkpoint is complete once its meta.json exists. history.json goes in first and the engine writes meta.json
-last of all, so a run killed while saving leaves the checkpoint before it as the newest complete one. Every rank
+A checkpoint is complete once its `latest` names a save. history.json goes in first and the engine writes
+`latest` last of all, so a run killed while saving leaves the checkpoint before it as the newest complete one. Every rank
 writes its own part of a checkpoint: on several machines --out must be a directory they share.
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..basics.memory import TIERS
-from ..implementation.checkpoint import META, CheckpointError
+from ..implementation.checkpoint import CheckpointError, complete
 from ..implementation.durable import write_error, write_temp
 
 CHECKPOINTS, HISTORY = "checkpoints", "history.json"
@@ -37,7 +38,7 @@ def checkpoints(out) -> list[tuple[int, Path]]:
 
 
 def _complete(path: Path) -> bool:
-    return (path / META).is_file() and (path / HISTORY).is_file()
+    return complete(path) and (path / HISTORY).is_file()
 
 
 def newest_complete(out) -> Path | None:
@@ -75,7 +76,7 @@ def save(engine, out, history: dict, keep: int) -> Path:
         "rank 0 could not write the run's history; see its error. No checkpoint was saved."
     )
     engine.comm.raise_together(error, elsewhere)
-    engine.save_checkpoint(path)  # returns on every rank once meta.json is in place
+    engine.save_checkpoint(path)  # returns on every rank once `latest` is in place
     if engine.comm.rank == 0:
         complete = [step for step, found in checkpoints(out) if _complete(found)]
         if len(complete) > keep:
