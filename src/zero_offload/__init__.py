@@ -9,6 +9,7 @@ print(engine.memory_report())
 """
 
 from .engine import Engine, initialize
+from .principles.stage3_leaves import GatherOrderError
 
-__all__ = ["Engine", "initialize"]
+__all__ = ["Engine", "GatherOrderError", "initialize"]
 __version__ = "0.1.0"
