@@ -374,8 +374,12 @@ def test_saves_keep_the_newest_two_default_tags_and_never_a_users_folder(tmp_pat
         engine.save_checkpoint(path)
     assert sorted(os.listdir(path)) == ["best", "latest", "notes", "step00000002", "step00000003"]
     assert (path / "latest").read_text() == "step00000003\n"
-    with pytest.raises(CheckpointError, match=r"step00000003 already holds a complete checkpoint"):
-        engine.save_checkpoint(path)
+    # A second save at the same step (a run's last save after its every-N one) goes beside it, never over it.
+    engine.save_checkpoint(path)
+    assert (path / "latest").read_text() == "step00000003-1\n"
+    assert sorted(os.listdir(path)) == ["best", "latest", "notes", "step00000003", "step00000003-1"]
+    with pytest.raises(CheckpointError, match=r"best already holds a complete checkpoint"):
+        engine.save_checkpoint(path, tag="best")
     with pytest.raises(CheckpointError, match=r"tag '\.\./out' is not a plain folder name"):
         engine.save_checkpoint(path, tag="../out")
     (path / "notes" / "meta.json").unlink()

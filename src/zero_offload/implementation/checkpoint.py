@@ -133,7 +133,8 @@ def save_checkpoint(engine, path, tag: str | None = None) -> None:
     process killed anywhere in between leaves it whole. `tag` defaults to the step, e.g. step00000016.
     """
     path, comm = Path(path), engine.comm
-    tag = tags.check_tag(tags.default_tag(engine.global_steps) if tag is None else tag)
+    # Every rank sees the same directory before rank 0 prepares it below: they pick the same default tag.
+    tag = tags.check_tag(tags.default_tag(engine.global_steps, path) if tag is None else tag)
     folder = path / tag
     state = rank_state(engine)
     kept = f"Any previous checkpoint in {path} is left as it was."

@@ -30,12 +30,19 @@ from .durable import CheckpointError, fsync_dir, write_temp
 
 LATEST = "latest"
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
-_DEFAULT_TAG = re.compile(r"step\d{8,}")
+_DEFAULT_TAG = re.compile(r"step\d{8,}(-\d+)?")
 _TEMP = re.compile(r"\.(.+)\.[0-9a-f]{16}\.tmp")  # durable.temp_name
 
 
-def default_tag(global_steps: int) -> str:
-    return f"step{global_steps:08d}"
+def default_tag(global_steps: int, path=None) -> str:
+    """stepNNNNNNNN; where `path` already holds a complete save under it (a second save at the same step, say at
+    the end of a run that also saves every N steps), the first free stepNNNNNNNN-k: a save never writes over a
+    complete one, and the script does not fail at its last line."""
+    tag = f"step{global_steps:08d}"
+    taken = 0
+    while path is not None and (Path(path) / (tag if not taken else f"{tag}-{taken}") / META).is_file():
+        taken += 1
+    return tag if not taken else f"{tag}-{taken}"
 
 
 def check_tag(tag) -> str:
