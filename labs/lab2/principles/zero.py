@@ -119,7 +119,7 @@ class ShardedStates(GatheredWeights):
             )
             self.buckets.register_hooks()
         if stage == 3:
-            self._install_gather_hooks(model)
+            self._install_gather_hooks(model, zero.leaf_module)
 
     # -- layout ----------------------------------------------------------------------------------------------
     def _split(self, flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
