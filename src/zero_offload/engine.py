@@ -226,8 +226,10 @@ class Engine:
 
     # -- checkpoints (implementation/checkpoint.py) ------------------------------------------------------------------
     def save_checkpoint(self, path) -> None:
-        """Every rank writes its shard of the model states, with what it takes to resume, into directory `path`."""
-        self.synchronize()  # under a delayed update a checkpoint is a synchronisation point
+        """Every rank writes its shard of the model states, with what it takes to resume, into directory `path`.
+
+        Saving does not change the run: a delayed update in flight lands but is published at the next step, as
+        it would have been without the save (practice/dpu.py)."""
         save_checkpoint(self, path)
         self.skip_guard.last_checkpoint = (str(path), self.global_steps)  # what a diverged run goes back to
 
