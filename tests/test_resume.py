@@ -100,3 +100,31 @@ def test_a_resumed_run_is_the_uninterrupted_run_bit_for_bit(tmp_path, case):
     resumed.load_checkpoint(tmp_path / "ckpt")
     assert before + _train(resumed, range(SAVE_AT, STEPS), non_finite) == uninterrupted
     _assert_same_run(_finish(resumed), expected)
+
+
+def test_a_pending_publish_loaded_elsewhere_is_published_or_held_as_that_engine_runs(tmp_path):
+    saving = _engine(2, "fp32", "delayed")
+    _train(saving, range(SAVE_AT), ())
+    saving.save_checkpoint(tmp_path / "ckpt")
+    continued = [loss for loss, _ in _train(saving, range(SAVE_AT, STEPS), ())]
+
+    # At stage 3, still delayed: the pieces are re-cut and the publish is held for the next step, as at stage 2
+    # (equal up to the order of the sums).
+    stage3 = _engine(3, "fp32", "delayed", seed=1)
+    stage3.load_checkpoint(tmp_path / "ckpt")
+    resumed = [loss for loss, _ in _train(stage3, range(SAVE_AT, STEPS), ())]
+    assert resumed == pytest.approx(continued, rel=1e-6)
+
+    # Without the delayed update nothing would publish it: the landed update is published at load, with its
+    # step of the schedule, and a warning says that the run parts from the saving one.
+    serial = _engine(2, "fp32", "serial", seed=1)
+    with pytest.warns(UserWarning, match="published now"):
+        serial.load_checkpoint(tmp_path / "ckpt")
+    again = _engine(2, "fp32", "delayed", seed=1)
+    again.load_checkpoint(tmp_path / "ckpt")
+    again.synchronize()  # publishes the landed update now
+    assert serial.optimizer.param_groups[0]["lr"] == again.optimizer.param_groups[0]["lr"]
+    published, _ = _finish(again)
+    assert [
+        name for name, weight in _finish(serial)[0].items() if not torch.equal(weight, published[name])
+    ] == []
