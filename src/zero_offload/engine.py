@@ -193,7 +193,8 @@ class Engine:
             raise diverged
 
     def synchronize(self) -> None:
-        """Finish a delayed update still in flight and publish its weights (checkpoints call this)."""
+        """Finish a delayed update still in flight and publish its weights. Forward then reads them one step
+        earlier than it would have; a checkpoint does not call this, so that saving leaves the run as it was."""
         self.updating.synchronize()
 
     def zero_grad(self) -> None:

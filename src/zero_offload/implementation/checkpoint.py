@@ -18,6 +18,14 @@ Every tensor is saved with its CRC-32 and checked on loading, as are the pieces 
 in exactly one): a damaged or hand-edited checkpoint is refused, naming the file and the tensor or field,
 instead of loading wrong weights.
 
+A resumed run is the run that was never interrupted, bit for bit, and saving does not change the run that
+saves. Besides the states, a rank file holds the step history and the count of skipped steps in a row
+(divergence.py). Under the delayed update (practice/dpu.py) a save falls between an Adam that has run and
+its publish: the rank file holds the landed masters and moments, the weights forward reads (one update old)
+and a flag that the publish is pending. Loading publishes those weights, puts the landed masters back and
+leaves their publish to the next step, as in the run that saved; an engine that does not delay that step
+(another config) publishes the landed update at load, with a warning.
+
 This file saves and loads; checkpoint_format.py says what goes into each file, checkpoint_read.py reads the
 files back and verifies them, durable.py writes them safely.
 """
