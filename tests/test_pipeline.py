@@ -417,13 +417,14 @@ def test_the_kept_gradients_take_turns_between_two_areas():
 def test_a_checkpoint_under_the_delayed_update_resumes_exactly(tmp_path):
     dpu = {"delayed_param_update": {"enabled": True, "start_step": 1}}
     config = _config(2, "fp16", impl="simd", ext=dpu)
+    uninterrupted = _train(_engine(config), 6)
     engine = _engine(config)
     _train(engine, 3)
-    engine.save_checkpoint(tmp_path / "ckpt")  # waits for the update in flight and publishes it
-    continued = _train(engine, 3, start=3)
+    engine.save_checkpoint(tmp_path / "ckpt")  # the update in flight lands; the next step publishes it
+    assert _train(engine, 3, start=3) == uninterrupted[3:]
     resumed_engine = _engine(config)
     resumed_engine.load_checkpoint(tmp_path / "ckpt")
-    assert _train(resumed_engine, 3, start=3) == continued
+    assert _train(resumed_engine, 3, start=3) == uninterrupted[3:]
 
 
 class _BlockingCopyStream:

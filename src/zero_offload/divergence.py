@@ -34,6 +34,10 @@ class SkipGuard:
         self.last_checkpoint: tuple[str, int] | None = None  # (path, step) of the last save or load
         self.window_skip: str | None = None  # why this accumulation window's step will be skipped
 
+    def resume(self, in_a_row: int) -> None:
+        """Continue a run from a checkpoint that was saved after `in_a_row` skipped steps in a row."""
+        self.in_a_row = in_a_row
+
     def skips_backward(self, loss: torch.Tensor, comm) -> bool:
         """bf16/fp32: whether this window's step is to be skipped for a non-finite loss on any rank. Its backward
         is skipped on every rank then (the collectives inside backward pair up), and so are the rest of the

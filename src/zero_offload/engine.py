@@ -193,7 +193,8 @@ class Engine:
             raise diverged
 
     def synchronize(self) -> None:
-        """Finish a delayed update still in flight and publish its weights (checkpoints call this)."""
+        """Finish a delayed update still in flight and publish its weights. Forward then reads them one step
+        earlier than it would have; a checkpoint does not call this, so that saving leaves the run as it was."""
         self.updating.synchronize()
 
     def zero_grad(self) -> None:
@@ -227,8 +228,10 @@ class Engine:
     # -- checkpoints (implementation/checkpoint.py) ------------------------------------------------------------------
     def save_checkpoint(self, path, tag: str | None = None) -> None:
         """Every rank writes its shard of the model states, with what it takes to resume, into directory `path`
-        (into its folder `tag`, by default the step; `path/latest` names the newest complete one)."""
-        self.synchronize()  # under a delayed update a checkpoint is a synchronisation point
+        (into its folder `tag`, by default the step; `path/latest` names the newest complete one).
+
+        Saving does not change the run: a delayed update in flight lands but is published at the next step, as
+        it would have been without the save (practice/dpu.py)."""
         save_checkpoint(self, path, tag)
         self.skip_guard.last_checkpoint = (str(path), self.global_steps)  # what a diverged run goes back to
 

@@ -202,6 +202,19 @@ class Updating:
         if self.delayed is not None:
             self.delayed.synchronize()
 
+    def land(self) -> bool:
+        """Wait for a delayed update still in flight, without publishing it: the next step does, as if nothing
+        had looked. True if one has landed and awaits its publish (a checkpoint saves that)."""
+        return self.delayed is not None and self.delayed.land()
+
+    def hold_landed(self, step: int) -> bool:
+        """The masters hold an update that has landed but is not published (a checkpoint's): step `step`
+        publishes it, if the delayed update runs that step. False if it does not: publish it now."""
+        if not self.delayed_at(step):
+            return False
+        self.delayed.hold_landed()
+        return True
+
     def close(self) -> None:
         """Stop the host queue and the pipeline's streams, after running what is queued on them."""
         streams = [self.host_queue]

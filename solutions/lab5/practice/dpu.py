@@ -19,7 +19,14 @@ that are still running when `publish()` returns, and the next Adam rewrites exac
 master, or the fp16 staging buffer the one-pass Adam rounds into). So Adam is queued behind the event of those
 uploads: the host waits for the link, never the device for the host.
 
-A checkpoint, or anything else that must see the current weights, calls `finish`: it waits and publishes.
+Anything that must see the newest weights (`engine.synchronize()`, reading the whole model) calls `finish`: it
+waits and publishes, so forward reads that update one step earlier than it would have. A checkpoint must not
+change the run, neither the one that saves nor the one that resumes: it calls `land`, which waits for the
+update in flight but leaves its publish to the next step, and saves the landed fp32 masters and moments along
+with the weights forward reads (one update old) and a flag that a publish is pending
+(implementation/checkpoint_format.py). Loading publishes the saved weights, puts the landed masters back, and
+`hold_landed` leaves their publish to the next step, lr-scheduler step included, exactly as in the run that
+saved.
 """
 
 from __future__ import annotations
@@ -84,6 +91,17 @@ class DelayedUpdate:
         self.uploads = publish()
         return True
 
+    def land(self) -> bool:
+        """Wait for the update in flight, but leave it for the next step to publish; True if there is one."""
+        if self.in_flight is None:
+            return False
+        self.in_flight.wait()
+        return True
+
+    def hold_landed(self) -> None:
+        """An update that has already landed (restored from a checkpoint) is the next step's to publish."""
+        self.in_flight = Event()  # done: nothing to wait for
+
 
 class DelayedUpdater:
     """The delayed update as the engine runs it: each step lands the previous step's Adam, publishes it, then
@@ -130,3 +148,11 @@ class DelayedUpdater:
         """Land the update in flight and publish it, with its uploads done before the caller goes on."""
         self.update.finish(self.publish)
         self.accel.fence_copies()
+
+    def land(self) -> bool:
+        """Wait for the update in flight without publishing it; True if its publish is still to come."""
+        return self.update.land()
+
+    def hold_landed(self) -> None:
+        """The masters hold an update that has landed: the next step publishes it (and moves the schedule)."""
+        self.update.hold_landed()

@@ -24,6 +24,14 @@ Every tensor is saved with its CRC-32 and checked on loading, as are the pieces 
 in exactly one): a damaged or hand-edited checkpoint is refused, naming the file and the tensor or field,
 instead of loading wrong weights.
 
+A resumed run is the run that was never interrupted, bit for bit, and saving does not change the run that
+saves. Besides the states, a rank file holds the step history and the count of skipped steps in a row
+(divergence.py). Under the delayed update (practice/dpu.py) a save falls between an Adam that has run and
+its publish: the rank file holds the landed masters and moments, the weights forward reads (one update old)
+and a flag that the publish is pending. Loading publishes those weights, puts the landed masters back and
+leaves their publish to the next step, as in the run that saved; an engine that does not delay that step
+(another config) publishes the landed update at load, with a warning.
+
 This file saves and loads; checkpoint_format.py says what goes into each file, checkpoint_read.py reads the
 files back and verifies them, checkpoint_tags.py finds the save to load, durable.py writes files safely.
 """
@@ -45,9 +53,11 @@ from .checkpoint_format import (
     CHECKSUMS,
     FORMAT,
     META,
+    PUBLISHED,
     STATES,
     meta_summary,
     model_entries,
+    piece_keys,
     rank_file,
     rank_state,
     saved_tensors,
@@ -181,16 +191,8 @@ def load_checkpoint(engine, path) -> None:
     files = read_rank_files(path)
     saved = files[0]
     check_fits(path, saved, engine.model)
-    full = assemble(path, files, STATES)
-    states, optimizer, rank = engine.states, engine.optimizer, engine.comm.rank
+    full = assemble(path, files, piece_keys(saved))
     with torch.no_grad():
-        for index, tensors, unit_pieces in units_of(engine, write=True):
-            for tensor in tensors.values():
-                tensor.zero_()  # the padding of a shard is zero, as a fresh engine has it
-            optimizer.state[states.master_params[index]]["step"].fill_(saved["optimizer_step"])
-            for name, start, numel, offset in unit_pieces:
-                for key, tensor in tensors.items():
-                    tensor[offset : offset + numel].copy_(full[name][key][start : start + numel])
         for key, tensor in model_entries(engine.model).items():
             if not isinstance(tensor, str):
                 tensor.copy_(saved["extras"][key])
@@ -200,14 +202,62 @@ def load_checkpoint(engine, path) -> None:
     engine.global_steps = saved["global_steps"]
     engine.micro_steps = saved["micro_steps"]
     engine.skipped_steps = saved["skipped_steps"]
+    # Checkpoints of earlier versions have neither: the count of skips in a row and the history start afresh.
+    engine.skip_guard.resume(saved.get("skipped_in_a_row", 0))
+    engine.history = list(saved.get("history", []))
     # Same world size: each rank continues its own random stream. Otherwise ranks beyond the old ones take
     # rank 0's; the streams then differ from the old run's anyway.
-    rng = files[rank if rank < len(files) else 0]["rng"]
+    rng = files[engine.comm.rank if engine.comm.rank < len(files) else 0]["rng"]
     torch.set_rng_state(rng["cpu"])
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-    states.publish()  # the weights forward reads, rounded from the loaded masters (stages 1/2: all-gathered)
-    engine.accelerator.fence_copies()  # and landed before the caller can write a parameter itself
+    _restore_weights(engine, full, saved)
+    engine.accelerator.fence_copies()  # the weights landed before the caller can write a parameter itself
+
+
+def _write_states(engine, full: dict, optimizer_step: float, master: str = "master") -> None:
+    """This rank's shards of the masters and moments from the assembled `full`; the masters from `full`'s
+    `master` tensors (the published weights, to publish those)."""
+    states, optimizer = engine.states, engine.optimizer
+    with torch.no_grad():
+        for index, tensors, unit_pieces in units_of(engine, write=True):
+            for tensor in tensors.values():
+                tensor.zero_()  # the padding of a shard is zero, as a fresh engine has it
+            optimizer.state[states.master_params[index]]["step"].fill_(optimizer_step)
+            for name, start, numel, offset in unit_pieces:
+                for key, tensor in tensors.items():
+                    source = master if key == "master" else key
+                    tensor[offset : offset + numel].copy_(full[name][source][start : start + numel])
+
+
+def _restore_weights(engine, full: dict, saved: dict) -> None:
+    """The masters and moments, and the weights forward reads, as the run that saved had them.
+
+    Most checkpoints hold weights that were published: forward reads them rounded from the masters (stages
+    1/2: all-gathered). One saved under the delayed update between an Adam and its publish (practice/dpu.py)
+    holds the weights forward read then as well: they are published first, then the landed masters go in,
+    and the next step publishes them, as in the run that saved. If this engine runs no delayed update at
+    that step (another config), the landed update is published here, with its lr-scheduler step."""
+    pending = saved.get("publish_pending", False)
+    held = pending and engine.updating.hold_landed(engine.global_steps)
+    if held:
+        _write_states(engine, full, saved["optimizer_step"], master=PUBLISHED)
+        engine.states.publish()
+        engine.accelerator.record_event().wait()  # its uploads have read the masters before they change
+    _write_states(engine, full, saved["optimizer_step"])
+    if held:
+        return
+    engine.states.publish()
+    if pending:
+        if engine.lr_scheduler is not None:  # the publish moves the schedule on (DelayedUpdater.publish)
+            engine.lr_scheduler.step()
+        warnings.warn(
+            f"the checkpoint was saved under the delayed update (delayed_param_update) with its last update "
+            f"landed but not yet published; this engine does not delay step {engine.global_steps}, so that "
+            "update is published now: forward reads it one step earlier than the run that saved would have, "
+            "and the two runs part from here",
+            stacklevel=4,
+        )
 
 
 def _load_scaler(engine, saved: dict) -> None:

@@ -4,6 +4,12 @@ A rank's file holds its pieces of the fp32 master weights and of Adam's m and v,
 parameter's name and where it starts in the flattened parameter, so that any world size or stage can put them
 back together; then what it takes to resume, and a CRC-32 per tensor. Only tensors and plain Python values go
 in, so that `torch.load(weights_only=True)` can read it. meta.json repeats the summary in readable form.
+
+Under the delayed update (practice/dpu.py) a save can fall between an Adam that has run and its publish, which
+the next step does: forward still reads the weights from before that update. Then `publish_pending` is true
+and each piece also holds those weights, as fp32 (`published`: exact, since they are fp32's or fp32 rounded
+to fp16/bf16), so that loading can put them where forward reads them and leave the landed update to the next
+step, as the run that saved does.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 FORMAT = "zero_offload.checkpoint/1"
 META = "meta.json"
 STATES = ("master", "exp_avg", "exp_avg_sq")
+PUBLISHED = "published"  # the weights forward reads, in pieces of a checkpoint with a publish pending
 CHECKSUMS = "crc32"
 RANK_FILE_NAME = re.compile(r"rank(\d{5})-of-(\d{5})\.pt")
 
@@ -46,6 +53,11 @@ def _pieces(engine) -> list[tuple[str, int, int, int, int]]:
         for index, unit in enumerate(states.units)
         for s in unit.layout.slices
     ]
+
+
+def piece_keys(saved: dict) -> tuple[str, ...]:
+    """The tensors each piece of rank file `saved` holds."""
+    return (*STATES, PUBLISHED) if saved.get("publish_pending") else STATES
 
 
 def _optimizer_tensors(engine, index: int) -> dict[str, torch.Tensor]:
@@ -79,13 +91,17 @@ def model_entries(model: torch.nn.Module) -> dict[str, str | torch.Tensor]:
 def rank_state(engine) -> dict:
     """Everything this rank writes: plain Python values and CPU tensors only."""
     comm, model, stage = engine.comm, engine.model, engine.config.zero_optimization.stage
+    # A delayed update in flight writes the masters and moments: wait for it, but leave its publish to the run.
+    pending = engine.updating.land()
     pieces: dict[str, list[dict]] = {}
     # Stage 0 ranks hold identical replicas: rank 0's copy is enough.
     if stage > 0 or comm.rank == 0:
-        for _, tensors, unit_pieces in units_of(engine):
+        for index, tensors, unit_pieces in units_of(engine):
+            if pending:  # the delayed update runs only on offloaded shards: forward reads their device copy
+                tensors = {**tensors, PUBLISHED: engine.states.param_shards[index].float()}
             for name, start, numel, offset in unit_pieces:
                 piece = {"start": start}
-                for key in STATES:
+                for key in tensors:
                     # A copy of just the piece: saving a view would write its whole storage (the flat buffer).
                     piece[key] = tensors[key][offset : offset + numel].detach().to("cpu", copy=True)
                 pieces.setdefault(name, []).append(piece)
@@ -109,6 +125,9 @@ def rank_state(engine) -> dict:
         "global_steps": engine.global_steps,
         "micro_steps": engine.micro_steps,
         "skipped_steps": engine.skipped_steps,
+        "skipped_in_a_row": engine.skip_guard.in_a_row,  # divergence.py stops a run at too many
+        "history": list(engine.history),
+        "publish_pending": pending,
         # Every step updates every master tensor, so they all share one count.
         "optimizer_step": float(engine.optimizer.state[engine.states.master_params[0]]["step"]),
         "scaler": {"kind": type(engine.scaler).__name__, "state": engine.scaler.state_dict()},
@@ -129,7 +148,7 @@ def saved_tensors(state: dict) -> dict[str, torch.Tensor]:
         f"{name} piece {i} {key}": piece[key]
         for name, pieces in state["pieces"].items()
         for i, piece in enumerate(pieces)
-        for key in STATES
+        for key in piece_keys(state)
     }
     found.update({f"buffer {key}": tensor for key, tensor in state["extras"].items()})
     found.update({f"rng {key}": t for key, t in state["rng"].items() if isinstance(t, torch.Tensor)})
@@ -155,6 +174,7 @@ def meta_summary(engine, state: dict) -> dict:
         "global_steps": state["global_steps"],
         "micro_steps": state["micro_steps"],
         "skipped_steps": state["skipped_steps"],
+        "publish_pending": state["publish_pending"],
         "optimizer_step": state["optimizer_step"],
         "loss_scale": engine.scaler.scale,
         "lr": [group["lr"] for group in engine.optimizer.param_groups],

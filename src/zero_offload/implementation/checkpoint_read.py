@@ -22,9 +22,9 @@ from .checkpoint_format import (
     FORMAT,
     META,
     RANK_FILE_NAME,
-    STATES,
     crc32,
     model_entries,
+    piece_keys,
     rank_file,
     saved_tensors,
 )
@@ -90,7 +90,7 @@ def _check_layout(file: Path, saved: dict) -> None:
                 field = f"pieces[{name!r}][{i}]"
                 if not _whole(piece["start"], 0):
                     bad(f"{field}.start", piece["start"], "a whole number of at least 0")
-                for key in STATES:
+                for key in piece_keys(saved):
                     tensor = piece[key]
                     if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1:
                         bad(f"{field}.{key}", tensor, "a one-dimensional tensor")
