@@ -67,6 +67,7 @@ class GradientBuckets:
         # The turn of each unit's reduction, the same on all ranks.
         self._order = list(reversed(range(len(units))))
         self._turn = 0  # units self._order[:self._turn] have joined a bucket in this backward
+        self._arrived = False  # any gradient in this backward
         self._bucket: list[int] = []  # complete units waiting for the bucket to fill
         self._inflight: list = []  # (index, staging, shard, handle) of reductions started
 
@@ -79,6 +80,7 @@ class GradientBuckets:
         """The post-accumulate-grad hook: move `param.grad` into its unit's staging buffer."""
         index, i = self._unit_of[id(param)]
         unit = self.units[index]
+        self._arrived = True
         staging = self._staging_of(index)
         staging[unit.offsets[i] : unit.offsets[i] + unit.numels[i]].copy_(param.grad.reshape(-1))
         self._missing[index].discard(i)
@@ -152,9 +154,13 @@ class GradientBuckets:
         self._inflight = []  # staging and shards die here: the bucket memory goes back to the device
 
     def finish(self) -> None:
-        """End of backward: reduce what is left (the last bucket, units with unused parameters) and wait."""
-        self._take_turns(until_incomplete=False)
+        """End of backward: reduce what is left (the last bucket, units with unused parameters) and wait.
+
+        A backward that produced no gradient at all was skipped (a non-finite loss on any rank skips it on
+        every rank, divergence.py): nothing is reduced, so that no zeros reach an Adam that runs as they land."""
+        if self._arrived:
+            self._take_turns(until_incomplete=False)
         self.flush()
         self.drain()
         self._missing.clear()
-        self._turn = 0
+        self._turn, self._arrived = 0, False

@@ -38,7 +38,7 @@ class GatheredWeights:
         leaves = find_leaf_modules(model, leaf_config)
         self.access = ParameterAccess(self, model, self._unit_of, leaves)
 
-    def _agree(self, index: int) -> None:
+    def _agree_on_unit(self, index: int) -> None:
         """Before a collective fills unit `index` (or, END_OF_PASS, when a pass ends): every rank must be at the
         same unit, or the collective would pair one unit's shards with another's. One small all-gather of the
         unit numbers; at the first difference every rank raises, before any weights are mixed."""
@@ -61,7 +61,7 @@ class GatheredWeights:
             unit.pending.wait()
             unit.pending = None
         elif not unit.gathered:
-            self._agree(index)
+            self._agree_on_unit(index)
             self._start_gather(index, async_op=False)
         if prefetch:
             self._prefetch_after(index)
@@ -90,7 +90,7 @@ class GatheredWeights:
             if budget < 0:
                 break
             if not self.units[nxt].gathered:
-                self._agree(nxt)
+                self._agree_on_unit(nxt)
                 self.units[nxt].pending = self._start_gather(nxt, async_op=True)
 
     def release(self, index: int) -> None:
@@ -106,7 +106,9 @@ class GatheredWeights:
 
     def _begin_phase(self, phase: str) -> None:
         if self.stage == 3:
-            self._agree(END_OF_PASS)  # a rank still gathering for the pass that ends here would hang on it
+            self._agree_on_unit(
+                END_OF_PASS
+            )  # a rank still gathering for the pass that ends here would hang on it
             if self._order[self._phase]:
                 self._recorded[self._phase] = True  # the pass that just ended has shown its order
             for index in range(len(self.units)):
