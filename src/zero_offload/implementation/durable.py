@@ -7,10 +7,13 @@ failure at any point leaves the old file as it was. The errors name the file, th
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import secrets
 from pathlib import Path
+
+import torch
 
 
 class CheckpointError(RuntimeError):
@@ -61,6 +64,21 @@ def write_temp(final: Path, write) -> Path:
         temp.unlink(missing_ok=True)
         raise
     return temp
+
+
+def host_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, without a copy: for files and checksums. Not through
+    `tensor.numpy()`: torch does not need numpy, and a bare machine (a GPU box's own Python) may lack it."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(
+            f"host_bytes needs a contiguous CPU tensor, got {tensor.device} {tuple(tensor.stride())}"
+        )
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    raw = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
+    raw.tensor = tensor  # the view keeps `raw` alive, and `raw` the tensor whose memory it is
+    return memoryview(raw).cast("B")
 
 
 def fsync_dir(directory: Path) -> None:

@@ -35,7 +35,7 @@ from ..implementation.transfers import host_buffer
 
 class HostGradients:
     """The fp32 partition's state and DPU's two areas, for OffloadPipeline (which provides `states`, `accel`,
-    `grads`, `updated`, `deliver`, the `copy` and `host` streams, `squared_norms`, `norm_in_adam`, `_pending`, `wait`,
+    `grads`, `updated`, `deliver`, the `copy` and `host` streams, `squared_norms`, `_pending`, `wait`,
     `_keep_until` and `_upload_early`)."""
 
     kept: list[list[torch.Tensor]] | None = None  # area -> one region per host unit
@@ -80,9 +80,9 @@ class HostGradients:
         """Unit `index`'s gradient down the link into its region of this step's area; its norm on the host."""
         region = self.kept[self.area][index]
         self.landed = self.landed | {index}
-        if self.norm_in_adam:
-            down = self.copy.submit(self.states.transfers.to_host, region, shard, blocking=False)
-        elif self.copy.runs_on_host:  # emulated: the copy's own thread sums the region while it is in cache
+        # The norm is summed here, never inside the delayed Adam: DPU reports it before that Adam runs
+        # (updating.wants_norm_in_adam is false under DPU).
+        if self.copy.runs_on_host:  # emulated: the copy's own thread sums the region while it is in cache
             down = self.copy.submit(self._copy_and_norm, index, region, shard)
             self._pending.append(down)
         else:  # CUDA: the host reads the region once the copy has landed

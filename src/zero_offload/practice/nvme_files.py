@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..implementation.durable import fsync_dir, write_temp
+from ..implementation.durable import fsync_dir, host_bytes, write_temp
 from ..units import format_bytes
 from .nvme_lock import LockedError, SwapLock
 
@@ -152,7 +152,7 @@ class SwapFiles:
     # read() and write() raise OSError as it comes; the states turn it into an NVMeError that names the file.
     def read(self, group: int, state: str, out: torch.Tensor) -> None:
         path = self.path(group, state)
-        view = memoryview(out.numpy()).cast("B")
+        view = host_bytes(out)
         with open(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb", buffering=0) as file:
             size, done = os.fstat(file.fileno()).st_size, 0
             while done < len(view) and (got := file.readinto(view[done:])):
@@ -169,7 +169,7 @@ class SwapFiles:
     def write(self, group: int, state: str, data: torch.Tensor) -> tuple[Path, Path, int]:
         """Write `data` beside its file, flushed to the drive; returns (temporary, final, CRC-32) for commit()."""
         final = self.path(group, state)
-        view = memoryview(data.numpy()).cast("B")
+        view = host_bytes(data)
         temp = write_temp(final, lambda file: file.write(view))  # O_EXCL|O_NOFOLLOW, fsync'd, gone on failure
         self.created.add(temp)
         return temp, final, zlib.crc32(view)

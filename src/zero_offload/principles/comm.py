@@ -70,7 +70,7 @@ class Comm:
         return self._run(
             "reduce_scatter",
             full.numel(),
-            lambda a: dist.reduce_scatter_single(out, full, group=self.group, async_op=a),
+            lambda a: _collective("reduce_scatter")(out, full, group=self.group, async_op=a),
             async_op,
             "reduce",
             (out, full),
@@ -88,7 +88,7 @@ class Comm:
         return self._run(
             "all_gather",
             full.numel(),
-            lambda a: dist.all_gather_single(full, shard, group=self.group, async_op=a),
+            lambda a: _collective("all_gather")(full, shard, group=self.group, async_op=a),
             async_op,
             "all-gather",
             (full, shard),
@@ -156,7 +156,7 @@ class Comm:
         self._run(
             "gather_order",  # counted apart: one per stage-3 gather, where the other control messages are per step
             1,
-            lambda a: dist.all_gather_single(every, mine, group=self.group, async_op=a),
+            lambda a: _collective("all_gather")(every, mine, group=self.group, async_op=a),
             False,
             tensors=(every, mine),
         )
@@ -183,6 +183,25 @@ class Comm:
                 f"the ranks were started with different {what}: {listing}. Every rank must load "
                 "the same config file (compare with `zo check-config FILE --world-size N`)."
             )
+
+
+# The single-tensor collectives by their newest names (torch 2.13), then the names older releases have (2.1 to
+# 2.12): a GPU machine's own torch may be older than the one this project pins.
+_COLLECTIVE_NAMES = {
+    "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+    "all_gather": ("all_gather_single", "all_gather_into_tensor"),
+}
+
+
+def _collective(kind: str):
+    for name in _COLLECTIVE_NAMES[kind]:
+        found = getattr(dist, name, None)
+        if found is not None:
+            return found
+    raise CommunicationError(
+        f"this torch ({torch.__version__}) has none of torch.distributed.{' / '.join(_COLLECTIVE_NAMES[kind])}; "
+        "zero_offload needs torch 2.1 or newer"
+    )
 
 
 # A tensor's C++ reference count, which counts gloo's hold on it (private API: without it, nothing is awaited).
