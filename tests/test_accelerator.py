@@ -249,3 +249,46 @@ def test_a_cuda_accelerator_without_a_budget_lifts_the_cap_an_earlier_one_set(mo
     CudaAccelerator(2 << 30)
     CudaAccelerator()
     assert caps == [0.25, 1.0]
+
+
+def _fake_gpus(monkeypatch, count=4):
+    """torch.cuda as `count` GPUs of 8 GiB; returns the calls made to set_device and to the cap."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: type("Props", (), {"total_memory": 8 << 30})()
+    )
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: calls.append(("cap", f))
+    )
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    return calls
+
+
+def test_a_cuda_accelerator_takes_local_ranks_gpu_even_where_the_script_made_the_group(monkeypatch):
+    from zero_offload.accelerator import CudaAccelerator
+
+    calls = _fake_gpus(monkeypatch)
+    monkeypatch.setenv("LOCAL_RANK", "2")  # torchrun's third rank on this node; current_device() still says 0
+    assert CudaAccelerator().device == torch.device("cuda", 2)
+    assert ("set_device", 2) in calls
+    monkeypatch.delenv("LOCAL_RANK")
+    assert CudaAccelerator().device == torch.device("cuda", 0)  # no launcher: the current device
+
+
+def test_a_second_budget_while_the_first_engines_accelerator_lives_is_refused(monkeypatch):
+    from zero_offload.accelerator import CudaAccelerator
+
+    calls = _fake_gpus(monkeypatch)
+    first = CudaAccelerator(2 << 30, index=1)
+    CudaAccelerator(2 << 30, index=1)  # the same budget: nothing changes for the first
+    CudaAccelerator(4 << 30, index=0)  # another GPU has a cap of its own
+    with pytest.raises(
+        ValueError, match=r"cuda:1 is already capped at 2.00 GiB .* asks for the whole device"
+    ):
+        CudaAccelerator(index=1)
+    assert [f for name, f in calls if name == "cap"] == [0.25, 0.25, 0.5]
+    del first
+    CudaAccelerator(index=1)  # its owner is gone: the cap is set afresh

@@ -131,9 +131,9 @@ def test_the_backend_follows_the_accelerator_even_where_a_gpu_is_visible(monkeyp
 
 
 def test_more_ranks_on_a_node_than_gpus_is_refused_with_the_fix(monkeypatch):
-    from zero_offload.principles.process_group import choose_gpu
+    from zero_offload.accelerator.cuda import gpu_of_this_rank
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(RuntimeError, match=r"LOCAL_RANK=1 but this node has 1 GPU.*ZO_DEVICE=cpu"):
-        choose_gpu()
+        gpu_of_this_rank()

@@ -2,10 +2,36 @@
 
 from __future__ import annotations
 
+import gc
+import os
+import weakref
+
 import torch
 
 from ..streams import CudaStream, Event
 from .base import Accelerator, HintOnOutOfMemory, MemoryStats, hinted_oom
+
+
+def gpu_of_this_rank() -> int:
+    """The GPU this process uses: LOCAL_RANK's, where a launcher set it (one GPU per rank on each node, whoever
+    made the process group), else the current device. More ranks on a node than GPUs is refused."""
+    value = os.environ.get("LOCAL_RANK", "").strip()
+    if not value:
+        return torch.cuda.current_device()
+    if not value.isdigit():
+        raise ValueError(f"the environment variable LOCAL_RANK={value!r} is not a whole number")
+    local_rank, count = int(value), torch.cuda.device_count()
+    if local_rank >= count:
+        raise RuntimeError(
+            f"LOCAL_RANK={local_rank} but this node has {count} GPU(s): start at most {count} rank(s) per node "
+            "(torchrun --nproc_per_node), or run every rank on the emulated device with ZO_DEVICE=cpu (gloo)"
+        )
+    torch.cuda.set_device(local_rank)
+    return local_rank
+
+
+# device index -> (the accelerator whose budget caps this process's use of that GPU, its budget)
+_cap_owners: dict[int, tuple[weakref.ref, int | None]] = {}
 
 
 class CudaAccelerator(Accelerator):
@@ -14,11 +40,23 @@ class CudaAccelerator(Accelerator):
     name = "cuda"
 
     def __init__(self, capacity: int | None = None, index: int | None = None):
-        index = torch.cuda.current_device() if index is None else index
+        index = gpu_of_this_rank() if index is None else index
         self.device = torch.device("cuda", index)
         self.capacity = capacity
-        # Set every time, to the whole device when no budget is given: the cap is per process, and an engine
-        # made after one with a budget would otherwise inherit that budget.
+        # torch's cap is per process and device: a second budget would silently change a live engine's. The
+        # first accelerator alive owns it; once it is gone, the next one sets the cap afresh (the whole device
+        # when it has no budget, so that it does not inherit an old one).
+        owner, budget = _cap_owners.get(index, (lambda: None, None))
+        if owner() is not None and budget != capacity:
+            gc.collect()  # an engine dropped but caught in a reference cycle no longer counts
+        if owner() is not None and budget != capacity:
+            raise ValueError(
+                f"cuda:{index} is already capped at {_budget(budget)} for an engine still alive in this process, and "
+                f"this one asks for {_budget(capacity)}: the cap is per process. Give every engine of the process the "
+                "same zero_offload.device_memory (or ZO_DEVICE_MEMORY), or pass the first engine's accelerator on"
+            )
+        if owner() is None:
+            _cap_owners[index] = (weakref.ref(self), capacity)
         fraction = 1.0
         if capacity is not None:
             fraction = min(1.0, capacity / torch.cuda.get_device_properties(self.device).total_memory)
@@ -70,3 +108,7 @@ class CudaAccelerator(Accelerator):
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def _budget(capacity: int | None) -> str:
+    return "the whole device" if capacity is None else f"{capacity / 2**30:.2f} GiB"

@@ -8,6 +8,7 @@ NCCL for CUDA, one GPU per rank, chosen by LOCAL_RANK.
 from __future__ import annotations
 
 import datetime
+import inspect
 import ipaddress
 import os
 import socket
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..accelerator import wants_cuda
+from ..accelerator.cuda import gpu_of_this_rank
 from .comm import Comm
 
 
@@ -37,17 +39,20 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     if not dist.is_initialized():
         timeout_s = timeout_s or float(os.environ.get("ZO_DIST_TIMEOUT", "300"))
         backend = backend or ("nccl" if wants_cuda() else "gloo")
+        options = {}
         if backend == "gloo":
             _gloo_on_loopback()
-        else:
-            choose_gpu()
+        else:  # NCCL binds the group to this rank's GPU at once, where the installed torch can (2.3 and newer)
+            gpu = gpu_of_this_rank()
+            if "device_id" in inspect.signature(dist.init_process_group).parameters:
+                options["device_id"] = torch.device("cuda", gpu)
         # torch.distributed.nn.functional puts the default group into its functions' default arguments when it
         # is imported, which building any torch.optim optimizer does (through torch._dynamo). Imported after
         # the group exists, it keeps the group alive past destroy_process_group(), and with it gloo's worker
         # threads to the end of the process; imported first, it binds None.
-        import torch.distributed.nn.functional  # noqa: F401
+        from torch.distributed.nn import functional  # noqa: F401
 
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **options)
     return Comm()
 
 
@@ -92,17 +97,6 @@ def _env_int(name: str) -> int | None:
         return int(value)
     except ValueError:
         raise ValueError(f"the environment variable {name}={value!r} is not a whole number") from None
-
-
-def choose_gpu() -> None:
-    """One GPU per rank on each node: LOCAL_RANK picks it, and more ranks than GPUs is refused."""
-    local_rank, count = _env_int("LOCAL_RANK") or 0, torch.cuda.device_count()
-    if local_rank >= count:
-        raise RuntimeError(
-            f"LOCAL_RANK={local_rank} but this node has {count} GPU(s): start at most {count} rank(s) per node "
-            "(torchrun --nproc_per_node), or run every rank on the emulated device with ZO_DEVICE=cpu (gloo)"
-        )
-    torch.cuda.set_device(local_rank)
 
 
 def _gloo_on_loopback() -> None:
