@@ -190,3 +190,37 @@ def test_ledger_and_staging_count_pinned_buffers_rounded(monkeypatch):
         param_staging=[torch.empty(50, dtype=torch.float16)],  # 100 bytes
     )
     assert OffloadedStates.host_staging_bytes(states) == 1024 + 128
+
+
+def test_the_pipelines_staging_slots_are_pinned_even_with_pin_memory_false():
+    config = {"train_batch_size": 2, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}},
+              "zero_offload": {"overlap_offload": True}}  # fmt: skip
+    accel = EmulatedAccelerator()
+    engine = zo.initialize(torch.nn.Linear(8, 8), config, accelerator=accel)
+    pipeline = engine.updating.pipeline
+    slots = pipeline.grad_slots.buffers + pipeline.weight_slots.buffers
+    assert slots and all(accel.is_pinned(slot) for slot in slots)
+    assert not accel.is_pinned(engine.states.master)  # the large buffers follow pin_memory
+    engine.close()
+
+
+def test_pageable_buffers_the_pipeline_copies_directly_are_named_on_a_gpu():
+    from zero_offload.practice.pipeline import warn_pageable_copies
+
+    gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    fp32 = SimpleNamespace(pin_optimizer=False, dtype=torch.float32)
+    with pytest.warns(UserWarning, match=r"fp32 master weights.*\"pin_memory\": true"):
+        warn_pageable_copies(fp32, gpu, keep_gradients=False)
+    with pytest.warns(UserWarning, match=r"delayed update's gradient areas"):
+        warn_pageable_copies(
+            SimpleNamespace(pin_optimizer=False, dtype=torch.bfloat16), gpu, keep_gradients=True
+        )
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_pageable_copies(
+            SimpleNamespace(pin_optimizer=False, dtype=torch.bfloat16), gpu, keep_gradients=False
+        )
+        warn_pageable_copies(fp32, SimpleNamespace(device=torch.device("cpu")), keep_gradients=False)

@@ -97,6 +97,10 @@ class Accelerator:
     def is_on_device(self, tensor: torch.Tensor) -> bool:
         raise NotImplementedError
 
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether host `tensor` is page-locked (the emulated device: asked for as pinned), so DMA can read it."""
+        return tensor.is_pinned()
+
     def copy_(self, dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False) -> None:
         """`dst.copy_(src)` across the link. `non_blocking`: from or into pinned memory the copy may still be
         running when this returns; the host must not rewrite `src` (or read a host `dst`) before an event

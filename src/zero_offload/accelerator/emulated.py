@@ -97,6 +97,9 @@ class EmulatedAccelerator(Accelerator):
     def is_on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() in self._by_storage
 
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self._pinned
+
     # -- copies as asynchronous as a GPU's ----------------------------------------------------------------------
     def host_empty(self, shape, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
         # Nothing is page-locked here, but a buffer asked for as pinned is remembered: copies from it are the
@@ -117,7 +120,7 @@ class EmulatedAccelerator(Accelerator):
         On a stream's own thread the copy is already ordered on that stream, and is done once."""
         dst.copy_(src)
         # Cheapest questions first: most copies are blocking, or run on a stream's thread (module 5's).
-        if not non_blocking or on_worker_stream() or src.untyped_storage().data_ptr() not in self._pinned:
+        if not non_blocking or on_worker_stream() or not self.is_pinned(src):
             return
         if self.is_on_device(dst):  # pinned memory is host memory: this is an upload
             self._dma_queue().submit(_copy_again, weakref.ref(dst), src)
