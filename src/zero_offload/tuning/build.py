@@ -39,6 +39,24 @@ class CompilerNotFound(RuntimeError):
     """The C CPU Adam cannot be built here (no C compiler, or no cffi): the message says what to install."""
 
 
+class BuildFailed(RuntimeError):
+    """The compiler or the loader failed (missing Python headers, a cache directory it cannot write, a broken
+    toolchain): the message says which, and the fix. The engine then runs torch's Adam; lab 4 shows the error."""
+
+
+def _build_failed(err: Exception, directory: Path) -> BuildFailed:
+    text = str(err)
+    if isinstance(err, OSError) and not isinstance(err, ImportError):
+        fix = f"make the cache directory writable, or point ZO_CACHE_DIR at one that is (now {directory})"
+    else:
+        fix = "check the C compiler ($CC) works, e.g. `make build` shows its full output"
+    last = text.strip().splitlines()[-1][:300] if text.strip() else type(err).__name__
+    return BuildFailed(
+        f"the SIMD CPU Adam could not be built or loaded ({type(err).__name__}: {last}); {fix}; or keep "
+        '"zero_offload": {"cpu_adam": {"impl": "torch"}}'
+    )
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("ZO_CACHE_DIR") or Path.home() / ".cache" / "zero_offload")
 
@@ -71,7 +89,7 @@ def _file_stamp(path) -> tuple[int, int]:
 
 
 def build(source: str | Path = SOURCE, *, flags: tuple[str, ...] = FLAGS, name: str = "zo_cpu_adam"):
-    """The compiled module for `source` (cached); raises CompilerNotFound or the compiler's own error."""
+    """The compiled module for `source` (cached); raises CompilerNotFound, or BuildFailed with the cause."""
     try:
         import cffi  # only needed when compiling or loading
     except ImportError as err:  # a bare ImportError would escape the engine's fallback to torch's Adam
@@ -101,10 +119,34 @@ def build(source: str | Path = SOURCE, *, flags: tuple[str, ...] = FLAGS, name: 
         _loaded[stamp] = _loaded[module_name]
         return _loaded[module_name]
     directory = cache_dir()
+    try:
+        module = _compile_and_load(cffi, source, header, flags, directory, module_name)
+    except (CompilerNotFound, BuildFailed):
+        raise
+    except Exception as err:  # whatever the toolchain or the loader raise: cffi, distutils, OS errors
+        raise _build_failed(err, directory) from err
+    _loaded[module_name] = _loaded[stamp] = module
+    return module
+
+
+def check_python_headers(include_dir: str | None) -> None:
+    """cffi compiles against Python.h; a Python installed without its headers fails in the compiler, whose own
+    message goes to stderr where nobody connects it to the fallback. Say it before compiling."""
+    if include_dir and (Path(include_dir) / "Python.h").is_file():
+        return
+    raise BuildFailed(
+        f"the SIMD CPU Adam cannot be built: this Python has no C headers (no Python.h in {include_dir}); "
+        "install them: `apt-get install python3-dev` (Debian/Ubuntu), `dnf install python3-devel` (Fedora), "
+        'or use a Python that ships them; or keep "zero_offload": {"cpu_adam": {"impl": "torch"}}'
+    )
+
+
+def _compile_and_load(cffi, source: Path, header: bytes, flags, directory: Path, module_name: str):
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     library = directory / f"{module_name}{suffix}"
     if not library.exists():
         compiler = _compiler()
+        check_python_headers(sysconfig.get_paths().get("include"))
         ffi = cffi.FFI()
         ffi.cdef(_declarations(header.decode()))
         ffi.set_source(
@@ -130,7 +172,6 @@ def build(source: str | Path = SOURCE, *, flags: tuple[str, ...] = FLAGS, name: 
     spec = importlib.util.spec_from_file_location(module_name, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    _loaded[module_name] = _loaded[stamp] = module
     return module
 
 
