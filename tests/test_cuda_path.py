@@ -224,3 +224,48 @@ def test_pageable_buffers_the_pipeline_copies_directly_are_named_on_a_gpu():
             SimpleNamespace(pin_optimizer=False, dtype=torch.bfloat16), gpu, keep_gradients=False
         )
         warn_pageable_copies(fp32, SimpleNamespace(device=torch.device("cpu")), keep_gradients=False)
+
+
+class _RecordingDevice(EmulatedAccelerator):
+    """The emulated device, recording on which stream each upload to the device was queued."""
+
+    def __init__(self):
+        super().__init__()
+        self.on_stream, self.uploads, self.compute_waited = None, [], 0
+
+    def issuing_on(self, stream):
+        device = self
+
+        class Issuing:
+            def __enter__(self):
+                device.on_stream = stream.name
+
+            def __exit__(self, *exc):
+                device.on_stream = None
+
+        return Issuing()
+
+    def copy_(self, dst, src, *, non_blocking=False):
+        if self.is_on_device(dst) and not self.is_on_device(src):
+            self.uploads.append(self.on_stream)
+        super().copy_(dst, src, non_blocking=non_blocking)
+
+    def compute_waits(self, event):
+        self.compute_waited += 1
+        super().compute_waits(event)
+
+
+def test_stage3_parameter_uploads_queue_on_their_own_stream_and_compute_waits_for_them():
+    cpu = {"device": "cpu"}
+    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "offload_optimizer": cpu, "offload_param": cpu}}  # fmt: skip
+    accel = _RecordingDevice()
+    engine = zo.initialize(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), config, accelerator=accel
+    )
+    accel.uploads.clear()
+    engine.backward(engine(torch.ones(2, 8)).sum())
+    gathers = len(accel.uploads)
+    assert gathers >= 4 and set(accel.uploads) == {"zo-param-h2d"}  # forward and backward, each layer
+    assert accel.compute_waited >= gathers  # every reader of a gathered unit waited for its upload
+    engine.close()

@@ -51,6 +51,13 @@ class Event:
         elif self._future is not None:
             self._future.result()  # re-raises an exception from the stream's worker
 
+    def enqueue_wait(self, stream: torch.cuda.Stream) -> None:
+        """CUDA: later work on `stream` waits for this event on the device; a host thread's event is waited for."""
+        if self._cuda_event is not None:
+            stream.wait_event(self._cuda_event)
+        else:
+            self.wait()
+
     def done(self) -> bool:
         if self._cuda_event is not None:
             return self._cuda_event.query()
@@ -198,18 +205,21 @@ class CudaStream:
     def __init__(self, device: torch.device):
         self._stream = torch.cuda.Stream(device=device)
 
+    @property
+    def torch_stream(self) -> torch.cuda.Stream:
+        return self._stream
+
     def wait_event(self, event: Event) -> None:
-        if event._cuda_event is not None:
-            self._stream.wait_event(event._cuda_event)
-        else:
-            event.wait()
+        event.enqueue_wait(self._stream)
 
     def submit(self, fn, *args, **kwargs) -> Event:
         # Same contract as the emulated stream: the work sees everything the caller enqueued before it.
         self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         with torch.cuda.stream(self._stream):
             fn(*args, **kwargs)
-            cuda_event = torch.cuda.Event()
+            cuda_event = torch.cuda.Event(
+                blocking=True
+            )  # a host waiting for it sleeps, leaving the core to Adam
             cuda_event.record(self._stream)
         return Event(cuda_event=cuda_event)
 

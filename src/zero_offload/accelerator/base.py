@@ -112,6 +112,17 @@ class Accelerator:
         included) has finished: what the host waits for before it rewrites a buffer such a copy reads."""
         return Event()
 
+    def issuing_on(self, stream):
+        """Context manager: the block's device work (copies, collectives) queues on `stream` (one of
+        `new_stream`'s) instead of the compute stream. The emulated device runs such work on the calling thread,
+        in order, so the block needs nothing there."""
+        return contextlib.nullcontext()
+
+    def compute_waits(self, event: Event) -> None:
+        """Later work on the compute stream starts after `event` (a GPU enqueues the wait; the emulated device,
+        whose compute is the calling thread, waits here)."""
+        event.wait()
+
     def fence_copies(self) -> None:
         """Order the host thread's later writes to device memory after its non-blocking copies. A GPU's stream
         does this by itself; the emulated device, whose "kernels" are the host thread's own, waits here."""

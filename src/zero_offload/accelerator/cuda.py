@@ -81,9 +81,17 @@ class CudaAccelerator(Accelerator):
         dst.copy_(src, non_blocking=non_blocking and (src.is_pinned() or dst.is_pinned()))
 
     def record_event(self) -> Event:
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(
+            blocking=True
+        )  # a host that waits for it sleeps instead of spinning on a core
         event.record(torch.cuda.current_stream(self.device))
         return Event(cuda_event=event)
+
+    def issuing_on(self, stream: CudaStream):
+        return torch.cuda.stream(stream.torch_stream)
+
+    def compute_waits(self, event: Event) -> None:
+        event.enqueue_wait(torch.cuda.current_stream(self.device))
 
     def free_storage(self, tensor: torch.Tensor) -> None:
         tensor.untyped_storage().resize_(0)

@@ -78,6 +78,7 @@ class NVMeStates(OffloadedStates):
 
     def close(self) -> None:
         """Finish the reads and writes in flight, stop their threads, and remove the files (engine.close())."""
+        super().close()
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         if hasattr(self, "files"):
