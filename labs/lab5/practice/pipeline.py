@@ -33,6 +33,7 @@ With the delayed update (dpu.py), the new weights go up during the next backward
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -86,6 +87,27 @@ class SlotRing:
         self._readers[slot] = reader
 
 
+def warn_pageable_copies(states, accel: Accelerator, keep_gradients: bool) -> None:
+    """On a GPU, a copy from or into pageable memory blocks the thread that asks for it: the buffers the pipeline
+    copies straight from or into (not its pinned slots) then take its overlap away, without a word otherwise."""
+    if states.pin_optimizer or accel.device.type != "cuda":
+        return
+    which = [
+        name
+        for name, used in (
+            ("the fp32 master weights, uploaded straight from the host", states.dtype == torch.float32),
+            ("the delayed update's gradient areas", keep_gradients),
+        )
+        if used
+    ]
+    if which:
+        warnings.warn(
+            f"overlap_offload copies {' and '.join(which)} while offload_optimizer.pin_memory is false: from "
+            'pageable memory those copies block and do not overlap; set "pin_memory": true in offload_optimizer',
+            stacklevel=4,
+        )
+
+
 class OffloadPipeline(EarlyUploads, HostGradients):
     """Runs the offloaded part of a step (OffloadedStates' host units) through the copy stream (D2H), the host
     queue and the upload stream (H2D). DPU's uploads during the next backward: early_uploads.py; where the
@@ -117,10 +139,12 @@ class OffloadPipeline(EarlyUploads, HostGradients):
         self.upload = accel.new_stream("zo-h2d", cores)
         self.host = host
         largest = max((u.shard_numel for u in states.units[: states.host_units]), default=0)
-        pin = states.pin_optimizer
+        warn_pageable_copies(states, accel, keep_gradients)
 
-        def ring(dtype):
-            return SlotRing([host_buffer(accel, largest, dtype, pin=pin) for _ in range(slots)])
+        def ring(
+            dtype,
+        ):  # always pinned: a few units' worth, and from pageable memory no copy overlaps anything
+            return SlotRing([host_buffer(accel, largest, dtype, pin=True) for _ in range(slots)])
 
         self.grad_slots = ring(states.dtype)
         # fp32 weights upload straight from the master; with offload_param they never leave the host.

@@ -147,6 +147,19 @@ def overflow_on_any_rank(comm: Comm, host_grad: torch.Tensor) -> bool:
     # END LAB 3.4
 
 
+class _Landing:
+    """A stage-3 gather issued on the parameter-upload stream: wait() orders the compute stream after it."""
+
+    def __init__(self, work, landed, accel: Accelerator):
+        self.work, self.landed, self.accel = work, landed, accel
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()  # NCCL: the current stream waits for the collective, queued after the upload
+        self.accel.compute_waits(self.landed)
+        return True
+
+
 class OffloadedStates(HostBufferStates):
     """ZeRO stage 1-3 with the optimizer (and at stage 3 optionally the weights) on the host.
 
@@ -176,6 +189,9 @@ class OffloadedStates(HostBufferStates):
         self.pin_optimizer = zero.offload_optimizer.pin_memory
         self.pin_param = zero.offload_param.pin_memory
         self._uploads: dict[int, torch.Tensor] = {}  # stage 3: shards on their way to a gather
+        # Stage 3 with offload_param: each gather's upload and all-gather queue on a stream of their own, so the
+        # copy hides behind compute and only the unit's reader waits for it.
+        self._param_stream = accel.new_stream("zo-param-h2d") if zero.offload_param.enabled else None
         # Set by module 4's one-pass CPU Adam, which writes the fp16 weights into the staging buffers itself.
         self.weights_rounded = False
         # Module 5's overlapped pipeline (practice/pipeline.py), when on: it moves the host units' gradients
@@ -209,6 +225,17 @@ class OffloadedStates(HostBufferStates):
         self.transfers.to_device(upload, self.param_shards[index])
         self._uploads[index] = upload  # alive until the gather that reads it has finished
         return upload
+
+    def _start_gather(self, index: int, *, async_op: bool):
+        if self._param_stream is None:
+            return super()._start_gather(index, async_op=async_op)
+        with self.accel.issuing_on(self._param_stream):
+            work = super()._start_gather(index, async_op=async_op)
+            landed = self.accel.record_event()  # on the upload stream: the copy and a one-rank "gather"
+        if not async_op:
+            self.accel.compute_waits(landed)
+            return None
+        return _Landing(work, landed, self.accel)
 
     def release(self, index: int) -> None:
         super().release(index)
@@ -272,6 +299,10 @@ class OffloadedStates(HostBufferStates):
         squares = self.pipeline.squared_norms if self.pipeline is not None else {}
         local = (squares[i] if i in squares else squared_norm(g) for i, g in enumerate(grads))
         return global_norm(local, self.comm.sum)
+
+    def close(self) -> None:
+        if self._param_stream is not None:
+            self._param_stream.close()
 
     def zero_grad(self) -> None:
         if self.pipeline is not None:
