@@ -130,7 +130,7 @@ def check_sanitizer(setup: Setup) -> dict:
     path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1", PYTHONPATH=path)
     cmd = [sys.executable, str(SCRIPT), "--sanitizer-child"]
-    timeout = max(30.0, min(180.0, setup.deadline - time.monotonic()))
+    timeout = max(30.0, min(120.0, setup.deadline - time.monotonic()))  # its share of the budget
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         code, output = proc.returncode, (proc.stdout + proc.stderr).splitlines()

@@ -1,4 +1,4 @@
-"""Training runs for `make gpu-check`: configs, one timed loop, and checks 1-3 (configurations, bit equality).
+"""Training runs for `make gpu-check`: configs, one timed loop, and check 2 (overlapped equals serial, bit for bit).
 
 Every run builds its engine with the accelerator the script chose (a real CUDA device, or the emulated one under
 --emulated), so a run on the GPU machine never falls back to the emulated device whatever ZO_DEVICE says.
@@ -68,10 +68,12 @@ def median(values: list[float]) -> float:
     return round(statistics.median(values), 3)
 
 
-def train(setup: Setup, config: dict, *, steps: int = 4, model=None, size: str | None = None) -> dict:
+def train(setup: Setup, config: dict, *, steps: int = 4, model=None, size: str | None = None,
+          rank: int = 0, world_size: int = 1) -> dict:  # fmt: skip
     """`steps` steps; losses, per-step times (synchronized wall time) and the final weights.
 
     `model` may be a Hugging Face causal LM (called with input_ids and labels); the default is TinyGPT(size).
+    Rank `rank` of `world_size` trains on its share of each global batch, in rank order.
     """
     model = model if model is not None else TinyGPT(size or setup.model)
     hf = not isinstance(model, TinyGPT)
@@ -83,7 +85,8 @@ def train(setup: Setup, config: dict, *, steps: int = 4, model=None, size: str |
         try:
             losses, compute, total = [], [], []
             for step in range(steps):
-                x, y = data.global_batch(step, config["train_batch_size"])
+                micro = config["train_batch_size"] // world_size
+                x, y = data.micro_batch(step, micro, rank=rank, world_size=world_size)
                 sync(setup)
                 started = time.perf_counter()
                 if hf:
@@ -142,7 +145,7 @@ def deterministic(setup: Setup):
         torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
-def _hf_model():
+def hf_model():
     try:
         import transformers
     except ImportError as err:
@@ -155,105 +158,34 @@ def _hf_model():
     return transformers.GPT2LMHeadModel(config), None
 
 
-def configurations(setup: Setup) -> dict[str, dict]:
-    """Check 1's configurations: name -> engine config."""
-    nvme = {"device": "nvme", "nvme_path": str(setup.scratch / "nvme"), "buffer_count": 2}
-    return {
-        "stage0": make_config(setup, {"stage": 0}),
-        "stage2_offload_pinned": make_config(setup, {"stage": 2, "offload_optimizer": PINNED}),
-        "stage2_offload_overlap": make_config(
-            setup, {"stage": 2, "offload_optimizer": PINNED}, ext=overlap()
-        ),
-        "stage2_offload_dpu": make_config(setup, {"stage": 2, "offload_optimizer": PINNED}, ext=dpu()),
-        "stage3_offload_param": make_config(
-            setup, {"stage": 3, "offload_optimizer": PINNED, "offload_param": PINNED}
-        ),
-        "partial_offload_0.5": make_config(
-            setup, {"stage": 2, "offload_optimizer": {**PINNED, "ratio": 0.5}}
-        ),
-        "nvme_offload": make_config(
-            setup, {"stage": 2, "offload_optimizer": nvme, "sub_group_size": setup.sub_group_size}
-        ),
-        "bf16_recompute": make_config(
-            setup, {"stage": 2, "offload_optimizer": PINNED}, precision="bf16", activation_checkpointing={}
-        ),
-        "hf_gpt2": make_config(setup, {"stage": 2, "offload_optimizer": PINNED}, precision="fp32"),
-    }
-
-
-def check_configurations(setup: Setup) -> dict:
-    """Check 1: every configuration runs 4 steps with finite losses; each is tried even if another fails."""
-    results, problems = {}, []
-    for name, config in configurations(setup).items():
-        try:
-            model = None
-            if name == "hf_gpt2":
-                model, why = _hf_model()
-                if model is None:
-                    results[name] = {"status": "skipped", "reason": why}
-                    say(f"  {name:<24} skipped: {why}")
-                    continue
-            run = train(setup, config, model=model)
-            run.pop("weights")
-            finite = len(run["losses"]) == 4 and all(math.isfinite(v) for v in run["losses"])
-            run["status"] = "passed" if finite else "failed"
-            run["median_ms_per_step"] = median(run["ms_per_step"])
-            if not finite:
-                problems.append(f"{name}: losses {run['losses']}")
-            results[name] = run
-            losses = " ".join(f"{v:.4f}" for v in run["losses"])
-            say(f"  {name:<24} {run['median_ms_per_step']:9.1f} ms/step  losses {losses}")
-        except Exception as err:  # one configuration's failure must not hide the others' results
-            results[name] = {"status": "failed", "error": one_line(err)}
-            problems.append(f"{name}: {one_line(err)}")
-            say(f"  {name:<24} FAILED: {one_line(err)}")
-    return {"configurations": results, "problems": problems}
-
-
 def one_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0][:300] if text else ''}"
 
 
+def largest_unit(model: torch.nn.Module) -> int:
+    """Elements of the largest module that owns parameters: the engine's unit (principles/partition.py)."""
+    return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+
+
 def check_overlap_equal(setup: Setup) -> dict:
-    """Check 2: the overlapped pipeline ends with the serial step's weights, bit for bit."""
-    zero = {"stage": 2, "offload_optimizer": PINNED}
+    """Check 2: the overlapped pipeline ends with the serial step's weights, bit for bit. Buckets of one unit,
+    reduced as they fill: the copies to the host then run while backward still computes the other units, the
+    ordering most likely to go wrong (the default 500M-element bucket holds the whole model, and nothing overlaps)."""
+    bucket = largest_unit(TinyGPT(setup.model))
+    zero = {"stage": 2, "offload_optimizer": PINNED, "overlap_comm": True, "reduce_bucket_size": bucket}
     with deterministic(setup) as mode:
         serial = train(setup, make_config(setup, zero), steps=6)
         overlapped = train(setup, make_config(setup, zero, ext=overlap()), steps=6)
     differs = first_difference(serial["weights"], overlapped["weights"])
-    say(f"  serial vs overlapped (fp16, 6 steps): {'equal' if differs is None else 'DIFFER at ' + differs}")
+    say(f"  serial vs overlapped (fp16, 6 steps, buckets of {bucket} elements): "
+        f"{'equal' if differs is None else 'DIFFER at ' + differs}")  # fmt: skip
     return {
         "deterministic_kernels": mode,
+        "reduce_bucket_size": bucket,
         "equal": differs is None,
         "first_difference": differs,
         "serial_losses": serial["losses"],
         "overlapped_losses": overlapped["losses"],
         "problems": [] if differs is None else [f"weights differ, first at {differs}"],
     }
-
-
-def check_dpu_race(setup: Setup) -> dict:
-    """Check 3: the delayed update with pinned host buffers equals the same run with pageable ones, whose
-    copies are synchronous and so cannot race with the host's Adam."""
-    out, problems = {}, []
-    with deterministic(setup) as mode:
-        for precision in ("fp32", "fp16"):
-            runs = {}
-            for pin in (True, False):
-                zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": pin}}
-                ext = dpu() | {"cpu_adam": {"impl": "simd"}}
-                runs[pin] = train(setup, make_config(setup, zero, precision=precision, ext=ext), steps=6)
-            differs = first_difference(runs[True]["weights"], runs[False]["weights"])
-            out[precision] = {
-                "equal": differs is None,
-                "first_difference": differs,
-                "host_pinned": {"pinned": runs[True]["host_pinned"], "pageable": runs[False]["host_pinned"]},
-                "losses": runs[True]["losses"],
-            }
-            if differs is not None:
-                problems.append(f"{precision}: pinned and pageable weights differ, first at {differs}")
-            say(
-                f"  DPU pinned vs pageable ({precision}): {'equal' if differs is None else 'DIFFER at ' + differs}"
-            )
-    return {"deterministic_kernels": mode, **out, "problems": problems}
