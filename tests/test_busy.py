@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from zero_offload.accelerator.streams import WorkerStream, seconds_blocked
 from zero_offload.bench_training import print_schedules
 from zero_offload.practice.busy import Busy, cpu_seconds
 from zero_offload.practice.schedules import compare_schedules
-from zero_offload.streams import WorkerStream, seconds_blocked
 
 
 def _burn(seconds: float) -> None:

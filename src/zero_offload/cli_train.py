@@ -10,7 +10,7 @@ import sys
 
 def run_train(args) -> int:
     from .config import ConfigError
-    from .divergence import TrainingDivergedError
+    from .engine.divergence import TrainingDivergedError
     from .implementation.checkpoint import CheckpointError
     from .practice.trainer import RankLostError, train
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..streams import CudaStream, Event
 from .base import Accelerator, HintOnOutOfMemory, MemoryStats, hinted_oom
+from .streams import CudaStream, Event
 
 
 class CudaAccelerator(Accelerator):

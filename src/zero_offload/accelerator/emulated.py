@@ -7,11 +7,11 @@ import weakref
 
 import torch
 
-from ..streams import Event, WorkerStream, on_worker_stream
 from ..units import format_bytes
 from .base import CATEGORIES, Accelerator, DeviceOutOfMemoryError, MemoryStats, offload_hint
 from .host_allocator import keep_freed_blocks
 from .saved_tensors import ChargeSavedTensors
+from .streams import Event, WorkerStream, on_worker_stream
 
 
 class _Allocation:

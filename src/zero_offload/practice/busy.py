@@ -14,7 +14,7 @@ thread's clock), so they count work, not waiting: a thread blocked on an event a
 
 What a step takes beyond its device's busy time, the device's thread spent off its core:
 
-    waited        blocked in Event.wait (streams.py): for a copy, a staging slot, the host's Adam
+    waited        blocked in Event.wait (accelerator/streams.py): for a copy, a staging slot, the host's Adam
     the rest      runnable but not running: waiting for the GIL (the hooks and queues of every thread are
                   Python, and only one thread runs Python at a time), or for its core
 """
@@ -25,7 +25,7 @@ import resource
 import time
 from dataclasses import dataclass
 
-from ..streams import seconds_blocked
+from ..accelerator.streams import seconds_blocked
 
 
 def cpu_seconds() -> tuple[float, float, float]:

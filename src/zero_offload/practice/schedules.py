@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from .. import initialize
 from ..accelerator import EmulatedAccelerator
-from ..streams import seconds_blocked
+from ..accelerator.streams import seconds_blocked
 from ..workloads import ByteBatches, TinyGPT, gpt_config, lm_loss, load_corpus
 from .busy import Busy, cpu_seconds
 from .timeline_plots import plot_step

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..divergence import TrainingDivergedError
+from ..engine.divergence import TrainingDivergedError
 from ..principles.process_group import init_distributed
 from . import run_dir
 from .lost_rank import RankLostError, StoppedBySigterm, lost_a_rank, lost_message, sigterm_raises

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from .accelerator import Accelerator
-from .basics.precision import MixedPrecisionStates
-from .config import Config
-from .implementation.offload import OffloadedStates
-from .practice.nvme import NVMeStates
-from .principles.comm import Comm
-from .principles.partition import build_units
-from .principles.zero import ShardedStates
-from .tuning.partial import PartialOffloadStates
+from ..accelerator import Accelerator
+from ..basics.precision import MixedPrecisionStates
+from ..config import Config
+from ..implementation.offload import OffloadedStates
+from ..practice.nvme import NVMeStates
+from ..principles.comm import Comm
+from ..principles.partition import build_units
+from ..principles.zero import ShardedStates
+from ..tuning.partial import PartialOffloadStates
 
 
 def build_states(

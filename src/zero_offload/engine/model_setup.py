@@ -13,8 +13,8 @@ import warnings
 
 import torch
 
-from .accelerator import Accelerator
-from .principles.comm import Comm
+from ..accelerator import Accelerator
+from ..principles.comm import Comm
 
 
 def check_same_parameters(comm: Comm, model: torch.nn.Module) -> None:

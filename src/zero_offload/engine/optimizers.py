@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .basics.adam import Adam
-from .config import Config
-from .tuning.build import CompilerNotFound
-from .tuning.cpu_adam import CPUAdam
-from .tuning.partial import SplitOptimizer
+from ..basics.adam import Adam
+from ..config import Config
+from ..tuning.build import CompilerNotFound
+from ..tuning.cpu_adam import CPUAdam
+from ..tuning.partial import SplitOptimizer
 
 
 def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: list, impl: str | None = None):

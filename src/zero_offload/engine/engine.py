@@ -4,7 +4,7 @@ It keeps the training loop's logic: loss scaling, gradient accumulation, skippin
 any precision and stopping a run that keeps skipping (divergence.py), and the bookkeeping of each step. The rest
 it hands to two objects:
 
-    states     where the model states live (placement.py): module 1's MixedPrecisionStates at stage 0,
+    states     where the model states live (states.py): module 1's MixedPrecisionStates at stage 0,
                module 2's ShardedStates, module 3's OffloadedStates, module 4's partial and module 5's NVMe tier
     updating   who runs Adam, when and on which cores (updating.py): serially, module 5's overlapped pipeline,
                its delayed update; with the clip factor and the learning-rate schedule
@@ -19,13 +19,18 @@ import weakref
 
 import torch
 
-from .accelerator import Accelerator, HintOnOutOfMemory, get_accelerator
-from .basics.memory import MemoryLedger, MemoryReport
-from .basics.precision import DynamicLossScaler, StaticLossScaler, unique_parameters
-from .config import Config, check_supported, load_config
+from ..accelerator import Accelerator, HintOnOutOfMemory, get_accelerator
+from ..basics.memory import MemoryLedger, MemoryReport
+from ..basics.precision import DynamicLossScaler, StaticLossScaler, unique_parameters
+from ..config import Config, check_supported, load_config
+from ..implementation.checkpoint import load_checkpoint, save_checkpoint
+from ..implementation.schedulers import build_scheduler
+from ..practice.timeline import Span, Timeline, gather_timeline
+from ..principles.comm import Comm
+from ..principles.process_group import join_launcher_group, leave_launcher_group
+from ..principles.recompute import checkpoint_blocks
+from ..tuning.partial import estimate_for_config
 from .divergence import SkipGuard
-from .implementation.checkpoint import load_checkpoint, save_checkpoint
-from .implementation.schedulers import build_scheduler
 from .model_setup import (
     check_loss,
     check_same_parameters,
@@ -35,12 +40,7 @@ from .model_setup import (
     warn_unstepped,
 )
 from .optimizers import build_optimizers
-from .placement import build_states
-from .practice.timeline import Span, Timeline, gather_timeline
-from .principles.comm import Comm
-from .principles.process_group import join_launcher_group, leave_launcher_group
-from .principles.recompute import checkpoint_blocks
-from .tuning.partial import estimate_for_config
+from .states import build_states
 from .updating import Updating
 
 # Engines not closed yet. At exit they are closed, so that a script which never calls engine.close() still ends
@@ -78,7 +78,7 @@ class Engine:
         self.scaler = (
             DynamicLossScaler.from_config(config.fp16) if config.fp16.enabled else StaticLossScaler(1.0)
         )
-        # Where the model states live (placement.py): one states object of modules 1 to 5.
+        # Where the model states live (states.py): one states object of modules 1 to 5.
         self.states = build_states(
             model, params, config, self.accelerator, self.comm, loss_scale=lambda: self.scaler.scale
         )

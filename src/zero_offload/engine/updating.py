@@ -19,14 +19,14 @@ import os
 
 import torch
 
-from .basics.norm import global_norm
-from .config import Config
-from .implementation.updaters import SerialUpdater
-from .practice.dpu import DelayedUpdate, DelayedUpdater
-from .practice.nvme import NVMeUpdater
-from .practice.pipeline import HostQueue, OffloadPipeline
-from .tuning.cpu_adam import CPUAdam, host_adam
-from .tuning.partial import DevicePartUpdater
+from ..basics.norm import global_norm
+from ..config import Config
+from ..implementation.updaters import SerialUpdater
+from ..practice.dpu import DelayedUpdate, DelayedUpdater
+from ..practice.nvme import NVMeUpdater
+from ..practice.pipeline import HostQueue, OffloadPipeline
+from ..tuning.cpu_adam import CPUAdam, host_adam
+from ..tuning.partial import DevicePartUpdater
 
 
 def wants_norm_in_adam(config: Config, host_adam, *, whole_partition: bool) -> bool:
