@@ -41,9 +41,10 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # the bench's progress bars are for 
 import torch
 from IPython.display import Image, display
 
-from zero_offload import bench, plots
+from zero_offload import plots
 from zero_offload.basics import estimate_model_states
 from zero_offload.cli import main as zo_cli
+from zero_offload.cli.bench import adam as bench
 from zero_offload.lessons import tuning_kernel, tuning_partial, tuning_plots, tuning_threads
 from zero_offload.tuning import adam_update, advisor, bandwidth, build, parallel, perfmodel, plan_report
 from zero_offload.tuning.cpu_adam import memory_floor, supported_variants

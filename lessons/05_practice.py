@@ -52,9 +52,9 @@ from IPython.display import Image, display
 from zero_offload import plots
 from zero_offload.lessons import practice_dpu, practice_nvme, practice_runs, practice_steps
 from zero_offload.lessons.practice_steps import offload_config, weights
-from zero_offload.practice.largest import host_memory_available, largest_without_offload, offloaded_run
-from zero_offload.practice.run_dir import newest_complete
-from zero_offload.practice.schedules import compare_schedules, split_cores
+from zero_offload.cli.bench.largest import host_memory_available, largest_without_offload, offloaded_run
+from zero_offload.cli.train.run_dir import newest_complete
+from zero_offload.cli.bench.schedules import compare_schedules, split_cores
 from zero_offload.practice.timeline import plot_timeline
 from zero_offload.tuning import perfmodel
 from zero_offload.tuning.cpuinfo import cpu_model

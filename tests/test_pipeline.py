@@ -472,7 +472,7 @@ def test_with_an_upload_stream_that_blocks_the_delayed_weights_go_up_at_the_step
 
 
 def test_compare_schedules_pairs_each_round_and_trains_the_same_model_three_ways():
-    from zero_offload.practice.schedules import compare_schedules
+    from zero_offload.cli.bench.schedules import compare_schedules
 
     result = compare_schedules("nano", seq_len=8, steps=2, rounds=3, cores="shared")
     rounds = result["per_round_ms"]

@@ -37,10 +37,10 @@ import time
 import torch
 
 from ..accelerator import Accelerator
+from ..accelerator.streams import Event, WorkerStream
 from ..basics.norm import squared_norm
 from ..implementation.offload import HostAdam
 from ..implementation.transfers import host_buffer
-from ..streams import Event, WorkerStream
 from .early_uploads import EarlyUploads
 from .host_gradients import HostGradients
 

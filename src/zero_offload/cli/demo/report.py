@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .units import format_bytes, format_gb
+from ...units import format_bytes, format_gb
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -1,6 +1,6 @@
 """`zo train` and `zo checkpoint to-fp32`: a training run, and the plain PyTorch weights of its checkpoints.
 
-cli.py builds the options; these turn the errors a user can fix into exit status 2, the others into 1.
+cli/main.py builds the options; these turn the errors a user can fix into exit status 2, the others into 1.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import sys
 
 
 def run_train(args) -> int:
-    from .config import ConfigError
-    from .engine.divergence import TrainingDivergedError
-    from .implementation.checkpoint import CheckpointError
-    from .practice.trainer import RankLostError, train
+    from ...config import ConfigError
+    from ...engine.divergence import TrainingDivergedError
+    from ...implementation.checkpoint import CheckpointError
+    from .trainer import RankLostError, train
 
     try:
         train(
@@ -38,7 +38,7 @@ def run_train(args) -> int:
 
 
 def run_checkpoint(args) -> int:
-    from .implementation.checkpoint import CheckpointError, checkpoint_folder, read_meta, to_fp32
+    from ...implementation.checkpoint import CheckpointError, checkpoint_folder, read_meta, to_fp32
 
     try:
         folder = checkpoint_folder(args.dir)  # once: it warns of an unfinished save it skips

@@ -1,6 +1,6 @@
 """`zo plan`: the performance model's verdict on every ZeRO stage x offload, and advice on the user's choice.
 
-cli.py builds the options; this is what the command does with them.
+main.py builds the options; this is what the command does with them.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ def run_plan(args) -> int:
     (and the PCIe link where CUDA is present): capacities come from the preset or --gpu-memory/--host-memory."""
     from dataclasses import replace
 
-    from .tuning import perfmodel
-    from .tuning.advisor import advise, recommend
-    from .tuning.parallel import plan_layouts
-    from .tuning.plan_report import describe, format_layouts, format_plans, format_recommendation, save_plots
+    from ..tuning import perfmodel
+    from ..tuning.advisor import advise, recommend
+    from ..tuning.parallel import plan_layouts
+    from ..tuning.plan_report import describe, format_layouts, format_plans, format_recommendation, save_plots
 
     at_least_one = {
         "gpus": args.gpus,

@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .. import initialize
-from ..accelerator import EmulatedAccelerator
-from ..accelerator.streams import seconds_blocked
-from ..workloads import ByteBatches, TinyGPT, gpt_config, lm_loss, load_corpus
+from ...accelerator import EmulatedAccelerator
+from ...accelerator.streams import seconds_blocked
+from ...engine import initialize
+from ...practice.timeline_plots import plot_step
+from ...workloads import ByteBatches, TinyGPT, gpt_config, lm_loss, load_corpus
 from .busy import Busy, cpu_seconds
-from .timeline_plots import plot_step
 
 SCHEDULES = {
     "serial": {},
@@ -208,7 +208,7 @@ def compare_schedules(
         "landing_ms": {name: statistics.median(values) for name, values in landing.items()},
         "per_round_ms": by_round,
         # CPU ms per step of the device's thread and of the host's, and ms the device's thread was blocked on
-        # events (practice/busy.py); a step's wall time minus both is what it lost to the GIL and the scheduler.
+        # events (busy.py); a step's wall time minus both is what it lost to the GIL and the scheduler.
         "busy_ms": busy_ms,
         "bound_ms": bound_ms,  # the shortest step that work allows: max of the sides' busy time per core
         "of_bound": {name: ms[name] / bound_ms[name] for name in ms},  # wall time / bound (1.0: at the bound)

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from . import initialize
-from .accelerator import EmulatedAccelerator
-from .tuning.build import CompilerNotFound
-from .tuning.cpu_adam import CPUAdam, dispatched_variant
-from .tuning.cpuinfo import cpu_caches, cpu_model
-from .tuning.perfmodel import Workload, cached_share, calibrate, plan
+from ...accelerator import EmulatedAccelerator
+from ...engine import initialize
+from ...tuning.build import CompilerNotFound
+from ...tuning.cpu_adam import CPUAdam, dispatched_variant
+from ...tuning.cpuinfo import cpu_caches, cpu_model
+from ...tuning.perfmodel import Workload, cached_share, calibrate, plan
 
 # (width, depth): `depth` Linear layers of `width`, each one unit and one C call of the CPU step.
 MODEL_CASES = {"4.2M params in 16 tensors": (512, 16), "16.8M params in 4 tensors": (2048, 4)}

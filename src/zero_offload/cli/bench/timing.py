@@ -12,7 +12,7 @@ import time
 
 from tqdm import tqdm
 
-from .tuning.timing import median_seconds
+from ...tuning.timing import median_seconds
 
 
 def median_ms(fn, repeats: int, warmup: int = 2) -> float:

@@ -15,57 +15,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
-from zero_offload import labkit
-from zero_offload.grading_report import GradeResult, error_line, summarize
+from . import labkit
+from .labs import LABS
+from .report import GradeResult, error_line, summarize
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[2]  # the zero_offload package: cli/grade/run.py
 TIMEOUT_S = float(os.environ.get("ZO_GRADING_TIMEOUT", 900))  # a deadlocked learner's lab must not hang CI
-
-
-@dataclass(frozen=True)
-class Task:
-    id: str
-    title: str
-    points: int
-
-
-@dataclass(frozen=True)
-class Lab:
-    number: int
-    module: str
-    title: str  # starts with the module's Chinese name, as the course pages do
-    available: bool
-    tasks: tuple[Task, ...]
-
-
-LABS: dict[int, Lab] = {lab.number: lab for lab in (
-    Lab(1, "basics", "基础篇 basics: naive Adam, mixed precision, model-state memory", True, (
-        Task("1.1", "Adam moment updates", 25),
-        Task("1.2", "Bias correction and the parameter update, Adam vs AdamW", 25),
-        Task("1.3", "Model-state bytes per tier", 25),
-        Task("1.4", "Loss-scale overflow handling", 25))),
-    Lab(2, "principles", "原理篇 principles: ZeRO stage 1/2/3 sharding", True, (
-        Task("2.1", "Shard ranges", 25),
-        Task("2.2", "Reduce-scatter into the owned shard", 25),
-        Task("2.3", "All-gather of updated parameters", 25),
-        Task("2.4", "Stage-3 gather and release around a layer", 25))),
-    Lab(3, "implementation", "实现篇 implementation: CPU offload of the optimizer step", True, (
-        Task("3.1", "Copy the gradient partition to the host fp32 buffer", 25),
-        Task("3.2", "The offloaded Adam step over the flat partition", 25),
-        Task("3.3", "Cast and upload the updated weights", 25),
-        Task("3.4", "Overflow across ranks: skip everywhere, lose nothing", 25))),
-    Lab(4, "tuning", "调优篇 tuning: a SIMD CPU Adam kernel in C", True, (
-        Task("4.1", "The AVX2 FMA loop in fp32", 34),
-        Task("4.2", "The fp16 weight output with F16C", 33),
-        Task("4.3", "The scalar tail", 33))),
-    Lab(5, "practice", "实战篇 practice: overlapped transfers, delayed parameter update", True, (
-        Task("5.1", "The double-buffered bucket schedule", 34),
-        Task("5.2", "Event ordering so no buffer is overwritten early", 33),
-        Task("5.3", "Delayed parameter update", 33))),
-)}  # fmt: skip
 
 
 class GradingError(Exception):
@@ -113,7 +70,7 @@ def _run_tests(
         ZO_GRADING_LAB=str(lab),
         ZO_GRADING_TASKS=",".join(tasks),
     )
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "zero_offload.grading_plugin",
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "zero_offload.cli.grade.plugin",
                "-p", "no:cacheprovider", "-p", "no:xdist", "-m", f"lab{lab}", str(repo / "tests" / "labs")]  # fmt: skip
     if first_failure:  # the tests after it show as "did not run", so their tasks cannot pass either
         command.append("-x")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..principles.comm import CommunicationError
+from ...principles.comm import CommunicationError
 from . import run_dir
 from .training_run import TrainingRun
 

@@ -11,8 +11,8 @@ Parts 1, 2 and 4 run on every rank (2 by default, under torchrun on loopback); p
 machine and run on rank 0 alone, after the others have left. `make demo-multinode` runs the same over two
 torchrun "nodes" on loopback.
 
-This file runs the parts in order, under torchrun when asked; the parts are demo_parts.py, the report
-demo_report.py.
+This file runs the parts in order, under torchrun when asked; the parts are parts.py, the report
+report.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from .demo_parts import (
+from ...units import parse_bytes
+from .parts import (
     INTRODUCTION_CONFIG,
     MODEL,
     QUICK_MODEL,
@@ -34,8 +35,7 @@ from .demo_parts import (
     offload_trains,
     out_of_memory,
 )
-from .demo_report import write_report
-from .units import parse_bytes
+from .report import write_report
 
 __all__ = ["INTRODUCTION_CONFIG", "run_demo"]  # lesson 3 imports the introduction's config from here
 
@@ -74,7 +74,7 @@ def _ranks_parts(out: Path, budget: int, *, steps: int, quick: bool) -> dict:
     """Parts 0, 1, 2 and 4 on every rank; rank 0 saves their results."""
     out.mkdir(parents=True, exist_ok=True)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from .principles.process_group import init_distributed
+        from ...principles.process_group import init_distributed
 
         init_distributed()
         torch.set_num_threads(1)  # the ranks share this machine's cores
@@ -98,10 +98,10 @@ def _rank_from_env() -> int:
 
 def _launch(out: Path, *, ranks: int, budget: int, steps: int, quick: bool) -> dict:
     """Parts 0-2 and 4 under torchrun; what rank 0 saved."""
-    from .launch import torchrun_command
-    from .principles.process_group import free_port
+    from ...principles.process_group import free_port
+    from ..launch import torchrun_command
 
-    # zero_offload.launch is torchrun with its rendezvous store listening on 127.0.0.1 only, not every interface.
+    # zero_offload.cli.launch is torchrun with its rendezvous store listening on 127.0.0.1 only, not every interface.
     command = torchrun_command(["-m", "zero_offload.cli", "demo", "--out", str(out), "--budget", str(budget),
                                 "--steps", str(steps), "--ranks-only"], port=free_port(), nproc=ranks)  # fmt: skip
     code = subprocess.run(command + (["--quick"] if quick else [])).returncode

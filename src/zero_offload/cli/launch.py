@@ -8,7 +8,7 @@ opens on a port reuses the server that process already runs there, as the rendez
 MASTER_ADDR is a loopback address, node 0's agent first opens the store on a socket bound to that address, then
 runs torchrun in the same process:
 
-    python -m zero_offload.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29500 -m ...
+    python -m zero_offload.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29500 -m ...
 
 On loopback NCCL_SOCKET_IFNAME also names the loopback interface, unless it is set. Any other rendezvous (a
 non-loopback --master_addr, --rdzv-backend c10d, --standalone) is torchrun's own, unchanged.
@@ -28,7 +28,7 @@ from torch.distributed import TCPStore
 def torchrun_command(args: list[str], *, port: int, nproc: int, nodes: int = 1, node: int = 0) -> list[str]:
     """The command that starts node `node` of `nodes` (`nproc` ranks each) meeting at 127.0.0.1:`port`, running
     `args` (for example `-m zero_offload.cli train ...`)."""
-    return [sys.executable, "-m", "zero_offload.launch", "--nnodes", str(nodes), "--node_rank", str(node),
+    return [sys.executable, "-m", "zero_offload.cli.launch", "--nnodes", str(nodes), "--node_rank", str(node),
             "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(port),
             *args]  # fmt: skip
 

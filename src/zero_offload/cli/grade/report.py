@@ -1,6 +1,6 @@
 """What a grading run found, task by task, and the table `zo grade N` prints from it.
 
-grading.py runs the tests; the pytest plugin inside the run (grading_plugin.py) records each one's outcome;
+run.py runs the tests; the pytest plugin inside the run (plugin.py) records each one's outcome;
 `summarize` turns those records into one result per task.
 """
 
@@ -10,10 +10,8 @@ import textwrap
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the catalogue imports this file, so these are for the annotations only
-    from .grading import Lab, Task
+from .labs import Lab, Task
 
 WIDTH = 100  # the table fits a 100-column terminal
 

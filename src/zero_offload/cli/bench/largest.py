@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from .. import initialize
-from ..accelerator import DeviceOutOfMemoryError, EmulatedAccelerator
-from ..basics.memory import estimate_model_states
-from ..units import format_bytes
-from ..workloads import ByteBatches, GPTConfig, TinyGPT, gpt_config, lm_loss, load_corpus
+from ...accelerator import DeviceOutOfMemoryError, EmulatedAccelerator
+from ...basics.memory import estimate_model_states
+from ...engine import initialize
+from ...units import format_bytes
+from ...workloads import ByteBatches, GPTConfig, TinyGPT, gpt_config, lm_loss, load_corpus
 
 BATCH, SEQ = 1, 32  # a short sequence: activations stay small, the model states are what is measured
 
@@ -164,7 +164,7 @@ def measure_in_fresh_process(budget: int, *, quick: bool = False) -> dict:
     import subprocess
     import sys
 
-    code = f"import json; from zero_offload.practice.largest import measure; print(json.dumps(measure({budget}, quick={quick})))"
+    code = f"import json; from zero_offload.cli.bench.largest import measure; print(json.dumps(measure({budget}, quick={quick})))"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if run.returncode != 0:
         raise RuntimeError(f"the largest-model measurement failed:\n{run.stderr[-3000:]}")

@@ -6,13 +6,11 @@ import argparse
 import json
 import sys
 
-from .cli_plan import run_plan
-from .cli_train import run_checkpoint, run_train
-from .units import format_gb
+from ..units import format_gb
+from .bench.sections import SECTIONS as BENCH_SECTIONS
+from .plan import run_plan
+from .train.command import run_checkpoint, run_train
 
-# `zo bench --only`: the sections of bench.run_bench, in the order it runs them (named here, where the parser
-# is built without importing torch).
-BENCH_SECTIONS = ("adam", "update", "overhead", "model", "torch-op", "module5")
 _SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
 
@@ -30,7 +28,7 @@ def parse_count(text: str) -> int:
 
 
 def _estimate(args) -> int:
-    from .basics.memory import estimate_model_states
+    from ..basics.memory import estimate_model_states
 
     try:
         est = estimate_model_states(
@@ -56,7 +54,7 @@ def _estimate(args) -> int:
 
 
 def _size(text: str) -> int:
-    from .units import parse_bytes
+    from ..units import parse_bytes
 
     try:
         return parse_bytes(text)
@@ -65,7 +63,7 @@ def _size(text: str) -> int:
 
 
 def _check_config(args) -> int:
-    from .config import ConfigError, check_supported, load_config
+    from ..config import ConfigError, check_supported, load_config
 
     try:
         config = load_config(args.path, world_size=args.world_size)
@@ -215,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from .demo import run_demo
+        from .demo.run import run_demo
 
         run_demo(
             args.out,
@@ -233,12 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         return run_plan(args)
     if args.command == "bench":
-        from .bench import run_bench
+        from .bench.run import run_bench
 
         run_bench(args.out, numel=args.numel, rounds=args.rounds, threads=args.threads, only=tuple(args.only))
         return 0
     if args.command == "grade":
-        from .grading import main as grade_main
+        from .grade.run import main as grade_main
 
         return grade_main(args.rest)
     if args.command == "check-config":
@@ -246,7 +244,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "checkpoint":
         return run_checkpoint(args)
     raise AssertionError(args.command)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

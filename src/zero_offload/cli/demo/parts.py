@@ -1,7 +1,7 @@
 """The six parts of `make demo`, each printing what it shows and returning what the report needs.
 
 Parts 0, 1, 2 and 4 run on every rank and print on rank 0; `machine_parts` (3 and 5) measures this one
-machine on one process. demo.py runs them in order; demo_report.py writes the report from their results.
+machine on one process. run.py runs them in order; report.py writes the report from their results.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import initialize
-from .accelerator import DeviceOutOfMemoryError, EmulatedAccelerator
-from .basics.memory import estimate_model_states
-from .config import ConfigError, load_config
-from .plots import plot_losses, plot_model_states
-from .units import format_bytes, format_gb
-from .workloads import ByteBatches, GPTConfig, TinyGPT, lm_loss, load_corpus
+from ...accelerator import DeviceOutOfMemoryError, EmulatedAccelerator
+from ...basics.memory import estimate_model_states
+from ...config import ConfigError, load_config
+from ...engine import initialize
+from ...plots import plot_losses, plot_model_states
+from ...units import format_bytes, format_gb
+from ...workloads import ByteBatches, GPTConfig, TinyGPT, lm_loss, load_corpus
 
 # The course introduction's example, in substance: it pairs offload_param with stage 2.
 INTRODUCTION_CONFIG = {
@@ -220,8 +220,8 @@ def memory_per_tier(cfg: GPTConfig, budget: int, out: Path) -> dict:
 
 def machine_parts(out: Path, budget: int, *, quick: bool) -> dict:
     """Parts 3 and 5, on one process: step times and the largest model measure this machine."""
-    from .practice.largest import host_bytes_needed, measure_in_fresh_process
-    from .practice.schedules import compare_schedules, split_cores
+    from ..bench.largest import host_bytes_needed, measure_in_fresh_process
+    from ..bench.schedules import compare_schedules, split_cores
 
     # Part 5 first, in a process of its own: the 1B run needs nearly all of this machine's memory.
     gc.collect()

@@ -7,9 +7,9 @@
              -m zero_offload.cli train --config ds_config.json                            # and node_rank 1
 
 This file is the loop: checkpoints to resume from, steps, evaluations, saves, and the report. The run it
-drives (engine, data, history) is training_run.py; the checks on the options, train_arguments.py; what
+drives (engine, data, history) is training_run.py; the checks on the options, arguments.py; what
 happens when a rank is lost, lost_rank.py. Rank 0 shows a progress bar and writes the report under --out
-(practice/run_dir.py), with the last steps' timeline as a chart (timeline.png) and as a trace to open in
+(run_dir.py), with the last steps' timeline as a chart (timeline.png) and as a trace to open in
 ui.perfetto.dev or chrome://tracing (trace.json).
 """
 
@@ -22,11 +22,11 @@ from pathlib import Path
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..engine.divergence import TrainingDivergedError
-from ..principles.process_group import init_distributed
+from ...engine.divergence import TrainingDivergedError
+from ...principles.process_group import init_distributed
 from . import run_dir
+from .arguments import TrainError, check_arguments, check_same_arguments
 from .lost_rank import RankLostError, StoppedBySigterm, lost_a_rank, lost_message, sigterm_raises
-from .train_arguments import TrainError, check_arguments, check_same_arguments
 from .training_run import TrainingRun
 
 __all__ = ["RankLostError", "TrainError", "train"]

@@ -25,7 +25,7 @@ import resource
 import time
 from dataclasses import dataclass
 
-from ..accelerator.streams import seconds_blocked
+from ...accelerator.streams import seconds_blocked
 
 
 def cpu_seconds() -> tuple[float, float, float]:

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..basics.memory import TIERS
-from ..implementation.checkpoint import CheckpointError, complete
-from ..implementation.durable import write_error, write_temp
+from ...basics.memory import TIERS
+from ...implementation.checkpoint import CheckpointError, complete
+from ...implementation.durable import write_error, write_temp
 
 CHECKPOINTS, HISTORY = "checkpoints", "history.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -103,7 +103,7 @@ def load_history(path) -> dict:
 
 def write_report(out, summary: dict, report, *, title: str) -> list[Path]:
     """summary.json and the plots of losses, throughput and model-state memory per tier (rank 0)."""
-    from ..plots import LOSS_LABEL, plot_curves, plot_model_states  # matplotlib: only the rank that draws
+    from ...plots import LOSS_LABEL, plot_curves, plot_model_states  # matplotlib: only the rank that draws
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,9 @@
-"""The pytest plugin inside a grading run (`zo grade N` loads it with `-p zero_offload.grading_plugin`).
+"""The pytest plugin inside a grading run (`zo grade N` loads it with `-p zero_offload.cli.grade.plugin`).
 
-It checks that the tests import the overlay built by grading.py (the learner's files), not an installed
+It checks that the tests import the overlay built by run.py (the learner's files), not an installed
 copy of the engine; requires every graded test to name its task with `@pytest.mark.task("1.2")`; and
-writes each test's outcome to $ZO_GRADING_RESULTS for grading.py to turn into a table. The file is
-rewritten as each test starts, so that if a learner's C code kills the process, grading.py still knows
+writes each test's outcome to $ZO_GRADING_RESULTS for run.py to turn into a table. The file is
+rewritten as each test starts, so that if a learner's C code kills the process, run.py still knows
 which test was running.
 
 A test skipped by a `skipif` mark whose condition holds (a machine that cannot run it, e.g. an AVX task on
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from zero_offload.grading import LABS, error_line
+from .labs import LABS
+from .report import error_line
 
 
 def _env(name: str) -> str:

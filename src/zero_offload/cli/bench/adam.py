@@ -5,17 +5,17 @@
   offload_update()        the whole offloaded update (fp16 gradients in, unscale, Adam, fp16 weights out):
                           torch's passes against our one pass.
 
-Both time their contenders in interleaved rounds (bench_timing.py), so that a slow spell hits all alike.
+Both time their contenders in interleaved rounds (timing.py), so that a slow spell hits all alike.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .basics.adam import Adam
-from .bench_timing import interleaved_ms
-from .tuning.build import CompilerNotFound
-from .tuning.cpu_adam import CPUAdam, adam_update, memory_floor, supported_variants
+from ...basics.adam import Adam
+from ...tuning.build import CompilerNotFound
+from ...tuning.cpu_adam import CPUAdam, adam_update, memory_floor, supported_variants
+from .timing import interleaved_ms
 
 BYTES_PER_PARAM = 28  # one Adam pass: w, m, v read and written (24) + the fp32 gradient read (4)
 

@@ -1,8 +1,8 @@
 """`make bench`: speed measured as ratios within one run (never as pass/fail timing in tests).
 
-run_bench() runs the sections in the order of SECTIONS and keeps their results in results.json. The
-sections live beside this file, by what they time: bench_adam.py (the Adam kernel), bench_training.py (whole
-training steps), bench_cpu.py (the CPU step against the performance model); bench_timing.py says how.
+run_bench() runs the sections in the order of SECTIONS (sections.py) and keeps their results in results.json.
+The sections live beside this file, by what they time: adam.py (the Adam kernel), training.py (whole training
+steps), cpu.py (the CPU step against the performance model); timing.py says how.
 """
 
 from __future__ import annotations
@@ -10,17 +10,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .bench_adam import (
+from ...plots import plot_bars
+from .adam import (
     BYTES_PER_PARAM,
     adam_implementations,
     offload_update,
     print_adam_implementations,
     print_offload_update,
 )
-from .bench_timing import wait_until_quiet
-from .bench_training import module5_bench, offload_overhead, print_offload_overhead
-from .cli import BENCH_SECTIONS as SECTIONS
-from .plots import plot_bars
+from .sections import SECTIONS
+from .timing import wait_until_quiet
+from .training import module5_bench, offload_overhead, print_offload_overhead
 
 
 def run_bench(
@@ -33,7 +33,7 @@ def run_bench(
 ):
     """Every section of `make bench` (SECTIONS, in that order), or the `only` ones: a run of some sections
     replaces their results in results.json and keeps those of the others from earlier runs."""
-    from .bench_cpu import after_torch_op, model_vs_engine, print_after_torch_op, print_model_vs_engine
+    from .cpu import after_torch_op, model_vs_engine, print_after_torch_op, print_model_vs_engine
 
     if set(only) - set(SECTIONS):
         raise ValueError(f"bench sections are {', '.join(SECTIONS)}; got {', '.join(only)}")

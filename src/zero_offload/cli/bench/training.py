@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import initialize
-from .accelerator import EmulatedAccelerator
-from .bench_timing import median_ms, wait_until_quiet
-from .workloads import TinyGPT, gpt_config, lm_loss
+from ...accelerator import EmulatedAccelerator
+from ...engine import initialize
+from ...workloads import TinyGPT, gpt_config, lm_loss
+from .timing import median_ms, wait_until_quiet
 
 
 def offload_overhead(model: str = "10m", batch: int = 8, steps: int = 8) -> dict:
@@ -88,8 +88,8 @@ def print_schedules(key: str, r: dict) -> None:
 def module5_bench(out: Path, *, budget: int = 512 * 2**20) -> dict:
     """Module 5: the largest model under `budget` with and without offload (first, in a process of its own: the
     1B run needs nearly all of this machine's memory), then serial vs overlapped vs DPU, split and shared cores."""
-    from .practice.largest import host_bytes_needed, measure_in_fresh_process
-    from .practice.schedules import compare_schedules, split_cores
+    from .largest import host_bytes_needed, measure_in_fresh_process
+    from .schedules import compare_schedules, split_cores
 
     largest = measure_in_fresh_process(budget)
     plain, offloaded = largest["without"], largest["with"]
@@ -113,7 +113,7 @@ def module5_bench(out: Path, *, budget: int = 512 * 2**20) -> dict:
         "\nOffload schedules, 10.8M-parameter GPT, batch 1 x 8 tokens (optimizer-heavy), median ms per step "
         "(speed-ups: median of 8 rounds' own ratios);"
         "\nbusy: CPU ms per step of the device's thread / of the host's threads; bound: the shortest step that"
-        " work allows (practice/busy.py); wall / bound: 1.00 is a step that hides everything;"
+        " work allows (cli/bench/busy.py); wall / bound: 1.00 is a step that hides everything;"
         "\ndevice waited: ms per step its thread was blocked on events; rest: mean wall - busy - waited, the time it"
         " was runnable but not running (the GIL: every thread's hooks and queues are Python)"
     )

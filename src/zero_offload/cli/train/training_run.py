@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import initialize
-from ..config import load_config
-from ..implementation.checkpoint import CheckpointError
-from ..workloads import ByteBatches, TinyGPT, gpt_config, lm_loss, load_corpus
+from ...config import load_config
+from ...engine import initialize
+from ...implementation.checkpoint import CheckpointError
+from ...workloads import ByteBatches, TinyGPT, gpt_config, lm_loss, load_corpus
 from . import run_dir
 
 
