@@ -180,7 +180,13 @@ class EmulatedAccelerator(Accelerator):
         weakref.finalize(storage, self._compute_copies.pop, key, None)
 
     def activations(self, storage_dtype: torch.dtype = torch.float32):
-        return ChargeSavedTensors(self, storage_dtype)
+        return ChargeSavedTensors(
+            storage_dtype,
+            on_device=self._by_storage,
+            compute_copies=self._compute_copies,
+            charge=self._charge,
+            release=self._release,
+        )
 
 
 def _copy_again(target: weakref.ref, src: torch.Tensor) -> None:

@@ -15,8 +15,7 @@ def run_plan(args) -> int:
     from dataclasses import replace
 
     from ..tuning import perfmodel
-    from ..tuning.advisor import advise, recommend
-    from ..tuning.parallel import plan_layouts
+    from ..tuning.advisor import advise, plan_layouts, recommend
     from ..tuning.plan_report import describe, format_layouts, format_plans, format_recommendation, save_plots
 
     at_least_one = {
