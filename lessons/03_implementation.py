@@ -48,7 +48,7 @@ from zero_offload import plots
 from zero_offload.accelerator import DeviceOutOfMemoryError, EmulatedAccelerator
 from zero_offload.basics import estimate_model_states
 from zero_offload.config import ConfigError, load_config
-from zero_offload.demo import INTRODUCTION_CONFIG as INTRO_CONFIG
+from zero_offload.cli.demo.run import INTRODUCTION_CONFIG as INTRO_CONFIG
 from zero_offload.implementation import lr_at
 from zero_offload.implementation.transfers import host_buffer
 from zero_offload.units import format_bytes
@@ -146,7 +146,7 @@ print(f"\nfp32 training, stage 2 + offload_optimizer: device {fp32.device / PSI:
 # 课程导言给出的配置把 `offload_param` 和 stage 2 放在一起。把它原样交给配置加载器：
 
 # %%
-# INTRO_CONFIG is the introduction's example as the demo keeps it (zero_offload.demo.INTRODUCTION_CONFIG).
+# INTRO_CONFIG is the introduction's example as the demo keeps it (zero_offload.cli.demo.run.INTRODUCTION_CONFIG).
 try:
     load_config(INTRO_CONFIG)
 except ConfigError as err:

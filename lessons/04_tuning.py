@@ -41,11 +41,12 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # the bench's progress bars are for 
 import torch
 from IPython.display import Image, display
 
-from zero_offload import bench, plots
+from zero_offload import plots
 from zero_offload.basics import estimate_model_states
 from zero_offload.cli import main as zo_cli
+from zero_offload.cli.bench import adam as bench
 from zero_offload.lessons import tuning_kernel, tuning_partial, tuning_plots, tuning_threads
-from zero_offload.tuning import adam_update, advisor, bandwidth, build, parallel, perfmodel, plan_report
+from zero_offload.tuning import adam_update, advisor, bandwidth, build, perfmodel, plan_report
 from zero_offload.tuning.cpu_adam import memory_floor, supported_variants
 from zero_offload.tuning.cpuinfo import cpu_model
 from zero_offload.units import format_gb
@@ -481,7 +482,7 @@ print(f"CPU Adam on one socket of two: {one_gpu.cpu_adam_rank_share() / 1e9:.2f}
 
 # %%
 wl13_recompute = replace(wl13, recompute=True)
-for path in advisor.save_plots(one_gpu, wl13_recompute, OUT):
+for path in plan_report.save_plots(one_gpu, wl13_recompute, OUT):
     display(Image(filename=str(path)))
 print("13B, one A100-80GB, stage 2 + offload_optimizer, activation checkpointing, 1024 tokens a sequence:")
 print(f"{'batch':>5}{'fits':>6}{'compute s':>11}{'PCIe down s':>13}{'PCIe up s':>11}{'CPU Adam s':>12}{'serial s':>10}"
@@ -532,7 +533,7 @@ print(tuning_partial.format_calibration(hw_here, partial))  # predicted with hw_
 
 # %%
 wl70 = perfmodel.Workload(70_000_000_000, batch=1, seq_len=1024, recompute=True)
-print(plan_report.format_layouts(parallel.plan_layouts(A100, wl70)))
+print(plan_report.format_layouts(advisor.plan_layouts(A100, wl70)))
 
 # %% [markdown]
 # ## 7. 导言的"常见误区"，逐条变成规则

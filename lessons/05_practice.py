@@ -52,9 +52,9 @@ from IPython.display import Image, display
 from zero_offload import plots
 from zero_offload.lessons import practice_dpu, practice_nvme, practice_runs, practice_steps
 from zero_offload.lessons.practice_steps import offload_config, weights
-from zero_offload.practice.largest import host_memory_available, largest_without_offload, offloaded_run
-from zero_offload.practice.run_dir import newest_complete
-from zero_offload.practice.schedules import compare_schedules, split_cores
+from zero_offload.cli.bench.largest import host_memory_available, largest_without_offload, offloaded_run
+from zero_offload.cli.train.run_dir import newest_complete
+from zero_offload.cli.bench.schedules import compare_schedules, split_cores
 from zero_offload.practice.timeline import plot_timeline
 from zero_offload.tuning import perfmodel
 from zero_offload.tuning.cpuinfo import cpu_model
@@ -111,7 +111,7 @@ print(f"figures go to {OUT.relative_to(ROOT)}/")
 #             CPU     | Adam(t) ............ |  Adam(t+1) .......
 # ```
 #
-# `practice.schedules.compare_schedules` 用同一个模型、同样的数据建三个引擎（stage 2 + `offload_optimizer`、fp32、C Adam），
+# `cli.bench.schedules.compare_schedules` 用同一个模型、同样的数据建三个引擎（stage 2 + `offload_optimizer`、fp32、C Adam），
 # 一轮里三个调度各跑几步，交替若干轮，取每步时间的中位数；每轮结束时 `engine.synchronize()`，DPU 还在路上的那次更新算进它自己这一轮。
 # 加速比取每一轮里两个调度之比的中位数（每轮把先后倒过来），因为这台机器几秒之内就能整体快慢一两成。
 # 重叠与 DPU 用 4 个主机暂存槽（`"staging_slots": 4`，默认 2 即双缓冲；为什么要 4 个，见 2.4 节）。

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from zero_offload import bench, bench_cpu
-from zero_offload.bench_timing import _busy_fraction, wait_until_quiet
+from zero_offload.cli.bench import cpu as bench_cpu
+from zero_offload.cli.bench import run as bench
+from zero_offload.cli.bench.timing import _busy_fraction, wait_until_quiet
 
 
 @pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""The busy times and the bound that `make bench` reports next to each schedule (practice/busy.py)."""
+"""The busy times and the bound that `make bench` reports next to each schedule (cli/bench/busy.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from zero_offload.bench_training import print_schedules
-from zero_offload.practice.busy import Busy, cpu_seconds
-from zero_offload.practice.schedules import compare_schedules
-from zero_offload.streams import WorkerStream, seconds_blocked
+from zero_offload.accelerator.streams import WorkerStream, seconds_blocked
+from zero_offload.cli.bench.busy import Busy, cpu_seconds
+from zero_offload.cli.bench.schedules import compare_schedules
+from zero_offload.cli.bench.training import print_schedules
 
 
 def _burn(seconds: float) -> None:

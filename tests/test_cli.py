@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from zero_offload.cli import main, parse_count
-from zero_offload.demo import run_demo
+from zero_offload.cli import main
+from zero_offload.cli.demo.run import run_demo
+from zero_offload.cli.main import parse_count
 
 
 def test_estimate_13b(capsys):

@@ -16,8 +16,8 @@ from zero_offload.basics.memory import (
     held_bytes,
     pinned_block_bytes,
 )
+from zero_offload.engine.model_setup import resident_dtype
 from zero_offload.implementation.offload import OffloadedStates
-from zero_offload.model_setup import resident_dtype
 from zero_offload.units import format_bytes
 
 MiB = 2**20

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -13,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from zero_offload import grading, grading_report, labkit
+from zero_offload.cli.grade import labkit
+from zero_offload.cli.grade import report as grading_report
+from zero_offload.cli.grade import run as grading
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -332,8 +333,10 @@ def test_skipped():
 @pytest.fixture
 def graded_repo(repo: Path) -> Path:
     """The toy package, plus the real grading code, and graded tests for tasks 1.1-1.3 (none for 1.4)."""
-    for name in ("labkit.py", "grading.py", "grading_report.py", "grading_plugin.py"):
-        shutil.copy(Path(grading.__file__).with_name(name), repo / "src" / "zero_offload" / name)
+    grade = repo / "src" / "zero_offload" / "cli" / "grade"
+    for name in ("__init__.py", "labkit.py", "labs.py", "run.py", "report.py", "plugin.py"):
+        _write(grade / name, Path(grading.__file__).with_name(name).read_text(encoding="utf-8"))
+    _write(grade.parent / "__init__.py", "")
     _write(repo / "tests" / "labs" / "__init__.py", "")
     _write(repo / "tests" / "labs" / "test_toy.py", TOY_TESTS)
     markers = "\n    ".join(["lab1: graded", "task(id): the task"])
@@ -346,7 +349,9 @@ def _grade(repo: Path, *args: str) -> subprocess.CompletedProcess:
     # A fresh interpreter whose zero_offload is the toy package: grading locates the package and the
     # repository from zero_offload's own path, as it does for the course.
     env = {**os.environ, "PYTHONPATH": str(repo / "src")}
-    code = "import sys; from zero_offload import grading; sys.exit(grading.main(sys.argv[1:]))"
+    code = (
+        "import sys; from zero_offload.cli.grade import run as grading; sys.exit(grading.main(sys.argv[1:]))"
+    )
     return subprocess.run(
         [sys.executable, "-c", code, *args], cwd=repo, env=env, capture_output=True, text=True
     )
@@ -395,7 +400,7 @@ def test_grading_plugin_refuses_a_package_outside_the_overlay(graded_repo, tmp_p
         "pytest",
         "-q",
         "-p",
-        "zero_offload.grading_plugin",
+        "zero_offload.cli.grade.plugin",
         "-p",
         "no:cacheprovider",
     ]

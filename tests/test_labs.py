@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from zero_offload import grading, labkit
+from zero_offload.cli.grade import labkit
+from zero_offload.cli.grade import run as grading
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src" / "zero_offload"

@@ -16,7 +16,7 @@ from training import BATCH, SEQ, make_config
 
 import zero_offload as zo
 from zero_offload.accelerator import EmulatedAccelerator
-from zero_offload.divergence import TrainingDivergedError
+from zero_offload.engine.divergence import TrainingDivergedError
 from zero_offload.workloads import TinyGPT, lm_loss
 
 NAN = float("nan")

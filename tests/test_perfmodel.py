@@ -1,7 +1,7 @@
 """The performance model, its advisor and `zo plan` (module 4): memory, fit, step time, rules, calibration.
 
 How close the calibrated prediction comes to the engine's measured CPU step is a timing, reported by
-`make bench` (bench_cpu.model_vs_engine), never asserted here: these tests check the model's structure."""
+`make bench` (cli/bench/cpu.py, model_vs_engine), never asserted here: these tests check the model's structure."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ import pytest
 
 from zero_offload.cli import main
 from zero_offload.tuning import parallel
-from zero_offload.tuning.advisor import advise
-from zero_offload.tuning.parallel import Layout, plan_layouts
+from zero_offload.tuning.advisor import advise, plan_layouts
+from zero_offload.tuning.parallel import Layout
 from zero_offload.tuning.perfmodel import PRESETS, Workload, calibrate, plan, plan_all
 from zero_offload.tuning.plan_report import describe, format_layouts
 

@@ -19,7 +19,7 @@ from interleave import held_until_quiet
 from training import BATCH, SEQ, make_config, train_run
 
 import zero_offload as zo
-import zero_offload.updating
+import zero_offload.engine.updating
 from zero_offload.accelerator import EmulatedAccelerator
 from zero_offload.config import ConfigError
 from zero_offload.practice.pipeline import HostQueue, OffloadPipeline, SlotRing
@@ -386,7 +386,7 @@ def test_the_kept_gradients_change_nothing_bit_for_bit(precision, clip, impl, mo
     assert kept.updating.pipeline.kept is not None and kept.updating.pipeline.landed == frozenset()
     kept_nano = _engine(_config(2, precision, overlap=True, impl=impl, clip=clip, ext=dpu))
     kept_losses = _train(kept_nano, 5)
-    monkeypatch.setattr(zero_offload.updating, "keeps_gradients", lambda config, host_adam: False)
+    monkeypatch.setattr(zero_offload.engine.updating, "keeps_gradients", lambda config, host_adam: False)
     added = _train_sometimes_unused(config, 6)
     assert added.updating.pipeline.kept is None
     assert not _same_weights(dict(kept.model.named_parameters()), dict(added.model.named_parameters()))
@@ -472,7 +472,7 @@ def test_with_an_upload_stream_that_blocks_the_delayed_weights_go_up_at_the_step
 
 
 def test_compare_schedules_pairs_each_round_and_trains_the_same_model_three_ways():
-    from zero_offload.practice.schedules import compare_schedules
+    from zero_offload.cli.bench.schedules import compare_schedules
 
     result = compare_schedules("nano", seq_len=8, steps=2, rounds=3, cores="shared")
     rounds = result["per_round_ms"]

@@ -21,7 +21,7 @@ CONFIG = {"train_batch_size": 4, "zero_optimization": {"stage": 2}}
 
 
 def _train_rank(rank, world_size, config_path, out, rank1_changes):
-    from zero_offload.practice.trainer import TrainError, train
+    from zero_offload.cli.train.trainer import TrainError, train
 
     os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank))  # what torchrun would set
     options = dict(model="nano", steps=1, out=out, seed=0)

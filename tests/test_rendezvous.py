@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from zero_offload import demo
-from zero_offload.launch import loopback_endpoint, open_loopback_store, torchrun_command
+from zero_offload.cli.demo import run as demo
+from zero_offload.cli.launch import loopback_endpoint, open_loopback_store, torchrun_command
 from zero_offload.principles.process_group import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,7 +108,7 @@ def test_only_a_static_rendezvous_on_loopback_is_bound_and_node_0_hosts_it():
 
 
 def test_nccl_is_kept_on_loopback_unless_told_otherwise(monkeypatch):
-    import zero_offload.launch as launch
+    import zero_offload.cli.launch as launch
 
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "unset")  # recorded, so that the value main() sets is undone too
     monkeypatch.delenv("NCCL_SOCKET_IFNAME")
@@ -142,7 +142,7 @@ def test_the_demo_launches_its_ranks_through_the_loopback_launcher(tmp_path, mon
 
     monkeypatch.setattr(demo.subprocess, "run", fake_run)
     demo._launch(tmp_path, ranks=2, budget=2**20, steps=1, quick=True)
-    assert seen[0][1:3] == ["-m", "zero_offload.launch"]
+    assert seen[0][1:3] == ["-m", "zero_offload.cli.launch"]
     assert seen[0][seen[0].index("--master_addr") + 1] == "127.0.0.1"
 
 
@@ -170,5 +170,5 @@ def test_a_two_node_job_listens_on_loopback_only(tmp_path):
 
 def test_the_launch_command_is_torchruns_with_a_loopback_rendezvous():
     command = torchrun_command(["-m", "x"], port=1234, nproc=2, nodes=3, node=1)
-    assert command[1:3] == ["-m", "zero_offload.launch"]
+    assert command[1:3] == ["-m", "zero_offload.cli.launch"]
     assert command[command.index("--master_addr") + 1 :][:3] == ["127.0.0.1", "--master_port", "1234"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zero_offload.accelerator import EmulatedAccelerator
-from zero_offload.streams import WorkerStream
+from zero_offload.accelerator.streams import WorkerStream
 
 
 def test_a_held_stream_starts_nothing_until_released():

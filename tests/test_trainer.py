@@ -20,8 +20,8 @@ from distributed import free_port
 
 from zero_offload import plots
 from zero_offload.cli import main
+from zero_offload.cli.train.run_dir import newest_complete
 from zero_offload.implementation import checkpoint
-from zero_offload.practice.run_dir import newest_complete
 
 REPO = Path(__file__).resolve().parents[1]
 # fp32 with a modest lr: resumed runs must log the very same floats, and 2 ranks the 1-rank losses to 1e-5.
@@ -229,7 +229,7 @@ def test_a_killed_rank_ends_the_job_with_an_error_that_says_how_to_resume(tmp_pa
 
 def _nan_loss_from(monkeypatch, steps) -> None:
     """The trainer's loss is nan at the given steps (1-based; one micro-batch a step, no evaluation)."""
-    from zero_offload.practice import training_run
+    from zero_offload.cli.train import training_run
 
     calls = iter(range(1, 10_000))
     real = training_run.lm_loss

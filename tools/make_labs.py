@@ -4,7 +4,7 @@
     python tools/make_labs.py --force    # overwrite your edits in labs/ too
     python tools/make_labs.py --check    # change nothing; exit 1 if labs/ or solutions/ lag behind src/
 
-The work is done by zero_offload.labkit; this is only its command line.
+The work is done by zero_offload.cli.grade.labkit; this is only its command line.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 # This clone's labkit, loaded by its path rather than through the package: regenerating the labs must work
 # without torch and while the engine half-written in src/ does not import.
 _spec = importlib.util.spec_from_file_location(
-    "zero_offload_labkit", REPO / "src" / "zero_offload" / "labkit.py"
+    "zero_offload_labkit", REPO / "src" / "zero_offload" / "cli" / "grade" / "labkit.py"
 )
 labkit = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(labkit)

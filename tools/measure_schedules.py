@@ -18,9 +18,9 @@ import re
 import sys
 from pathlib import Path
 
-from zero_offload.bench_cpu import machine
-from zero_offload.bench_training import print_schedules
-from zero_offload.practice.schedules import compare_schedules
+from zero_offload.cli.bench.cpu import machine
+from zero_offload.cli.bench.schedules import compare_schedules
+from zero_offload.cli.bench.training import print_schedules
 
 REPO = Path(__file__).resolve().parents[1]
 # (cores, staging slots, C Adam variant): the rows of make bench's module 5 section.

@@ -8,10 +8,10 @@ Everything after `--` goes to the `zo` command; for `zo train` without a --confi
 CPU-offload config is written to OUT/ds_config.json. Node i is one torchrun agent with --node_rank i, as it would
 be on machine i:
 
-    python -m zero_offload.launch --nnodes N --node_rank i --nproc_per_node P --master_addr 127.0.0.1 \\
+    python -m zero_offload.cli.launch --nnodes N --node_rank i --nproc_per_node P --master_addr 127.0.0.1 \\
              --master_port PORT -m zero_offload.cli train ...    (or demo)
 
-zero_offload.launch is torchrun, except that node 0 opens the rendezvous store on 127.0.0.1 alone (torchrun's own
+zero_offload.cli.launch is torchrun, except that node 0 opens the rendezvous store on 127.0.0.1 alone (torchrun's own
 store listens on every interface). On real machines run torchrun on each, with --master_addr the first machine's
 address and an --out they all share, behind the firewall README.md describes. When a node fails, the others get
 --grace seconds to stop on their own (their ranks say which step was lost and how to resume) before they are
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from zero_offload.launch import torchrun_command
+from zero_offload.cli.launch import torchrun_command
 from zero_offload.principles.process_group import free_port
 
 CONFIG = {
@@ -40,7 +40,7 @@ CONFIG = {
 def node_command(
     node: int, nodes: int, nproc: int, port: int, args: list[str], command: str = "train"
 ) -> list[str]:
-    """torchrun for node `node`, through zero_offload.launch: its rendezvous store listens on 127.0.0.1 only."""
+    """torchrun for node `node`, through zero_offload.cli.launch: its rendezvous store listens on 127.0.0.1 only."""
     return torchrun_command(
         ["-m", "zero_offload.cli", command, *args], port=port, nproc=nproc, nodes=nodes, node=node
     )

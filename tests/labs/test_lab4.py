@@ -26,7 +26,7 @@ from unittest import mock
 import pytest
 import torch
 
-from zero_offload import labkit
+from zero_offload.cli.grade import labkit
 from zero_offload.tuning import build as build_module
 from zero_offload.tuning import cpu_adam
 

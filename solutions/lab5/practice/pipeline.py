@@ -38,10 +38,10 @@ import warnings
 import torch
 
 from ..accelerator import Accelerator
+from ..accelerator.streams import Event, WorkerStream
 from ..basics.norm import squared_norm
 from ..implementation.offload import HostAdam
 from ..implementation.transfers import host_buffer
-from ..streams import Event, WorkerStream
 from .early_uploads import EarlyUploads
 from .host_gradients import HostGradients
 

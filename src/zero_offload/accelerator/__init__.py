@@ -14,8 +14,8 @@ The files:
   saved_tensors.py   the saved-tensor hooks that charge activations to the emulated device
   host_allocator.py  `keep_freed_blocks`: glibc's malloc told to keep freed blocks, as a GPU's allocator does
   cuda.py            `CudaAccelerator`
+  streams.py         streams and events: a CUDA stream, or a worker thread that runs its queue in order
   __init__.py        `get_accelerator` and `wants_cuda`: which one this process gets
-Streams and events live in `zero_offload.streams`.
 """
 
 from __future__ import annotations

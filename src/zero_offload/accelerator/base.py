@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..streams import Event
+from .streams import Event
 
 # What to change when a category of device memory runs out. The engine names the category it allocates,
 # so the error can point at the one setting that helps.

@@ -8,8 +8,8 @@ import weakref
 
 import torch
 
-from ..streams import CudaStream, Event
 from .base import Accelerator, HintOnOutOfMemory, MemoryStats, hinted_oom
+from .streams import CudaStream, Event
 
 
 def gpu_of_this_rank() -> int:

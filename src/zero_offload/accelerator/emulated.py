@@ -7,11 +7,11 @@ import weakref
 
 import torch
 
-from ..streams import Event, WorkerStream, on_worker_stream
 from ..units import format_bytes
 from .base import CATEGORIES, Accelerator, DeviceOutOfMemoryError, MemoryStats, offload_hint
 from .host_allocator import keep_freed_blocks
 from .saved_tensors import ChargeSavedTensors
+from .streams import Event, WorkerStream, on_worker_stream
 
 
 class _Allocation:
@@ -183,7 +183,13 @@ class EmulatedAccelerator(Accelerator):
         weakref.finalize(storage, self._compute_copies.pop, key, None)
 
     def activations(self, storage_dtype: torch.dtype = torch.float32):
-        return ChargeSavedTensors(self, storage_dtype)
+        return ChargeSavedTensors(
+            storage_dtype,
+            on_device=self._by_storage,
+            compute_copies=self._compute_copies,
+            charge=self._charge,
+            release=self._release,
+        )
 
 
 def _copy_again(target: weakref.ref, src: torch.Tensor) -> None:

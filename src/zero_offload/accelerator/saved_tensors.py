@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Container, Mapping
 
 import torch
-
-if TYPE_CHECKING:
-    from .emulated import EmulatedAccelerator
 
 
 class ChargeSavedTensors(torch.autograd.graph.saved_tensors_hooks):
@@ -16,29 +13,41 @@ class ChargeSavedTensors(torch.autograd.graph.saved_tensors_hooks):
     A fp32 activation is charged at the storage precision (2 bytes in an fp16 run): a GPU computing in fp16
     would hold it in fp16; the emulated device computes in fp32 only because the CPU is slow at fp16.
     Parameters, gradients and the fp32 compute copies of the weights are not charged again.
+
+    The emulated device hands in its books: the storages it already charges (`on_device`), the fp32 compute
+    copies by storage with the weight each came from (`compute_copies`), and how to charge and release bytes.
     """
 
-    def __init__(self, accel: EmulatedAccelerator, storage_dtype: torch.dtype):
-        self.accel = accel
+    def __init__(
+        self,
+        storage_dtype: torch.dtype,
+        *,
+        on_device: Container[int],
+        compute_copies: Mapping[int, torch.Tensor | None],
+        charge: Callable[[int, str], None],
+        release: Callable[[int, str], None],
+    ):
+        self.on_device, self.compute_copies = on_device, compute_copies
+        self.charge, self.release = charge, release
         self.shrink = storage_dtype.itemsize / 4 if storage_dtype != torch.float32 else 1.0
         self.live: dict[int, list] = {}  # storage data_ptr -> [handle count, bytes charged]
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor):
         key = tensor.untyped_storage().data_ptr()
-        source = self.accel._compute_copies.get(key)
+        source = self.compute_copies.get(key)
         if source is not None and source.is_contiguous():
             # Upcast again in backward: keeping every layer's fp32 copy from forward to backward would hold
             # the whole model in fp32 at once, memory a GPU computing in fp16 never needs. Autograd often
             # saves a view of the copy (the transposed weight of a matmul): its layout is kept too.
             return _Upcast(source, tensor)
-        if key in self.accel._by_storage or key in self.accel._compute_copies:
+        if key in self.on_device or key in self.compute_copies:
             return tensor
         if key not in self.live:
             nbytes = tensor.untyped_storage().nbytes()
             if tensor.dtype == torch.float32:
                 nbytes = int(nbytes * self.shrink)
-            self.accel._charge(nbytes, "activations")
+            self.charge(nbytes, "activations")
             self.live[key] = [0, nbytes]
         self.live[key][0] += 1
         # Detached: a handle that held the tensor itself would close a reference cycle through autograd's graph
@@ -56,7 +65,7 @@ class ChargeSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         entry[0] -= 1
         if entry[0] == 0:
             del self.live[key]
-            self.accel._release(entry[1], "activations")
+            self.release(entry[1], "activations")
 
 
 class _Upcast:

@@ -170,7 +170,7 @@ class ExtensionConfig:
     delayed_param_update: DelayedParamUpdateConfig = DelayedParamUpdateConfig()
     cores: CoresConfig = CoresConfig()
     # Skipped steps in a row (non-finite loss or gradient norm; fp16 overflow once the scale is at its floor)
-    # after which the run stops with TrainingDivergedError (divergence.py) rather than train on nothing.
+    # after which the run stops with TrainingDivergedError (engine/divergence.py) rather than train on nothing.
     max_skipped_steps: int = 20
 
 

@@ -26,7 +26,7 @@ instead of loading wrong weights.
 
 A resumed run is the run that was never interrupted, bit for bit, and saving does not change the run that
 saves. Besides the states, a rank file holds the step history and the count of skipped steps in a row
-(divergence.py). Under the delayed update (practice/dpu.py) a save falls between an Adam that has run and
+(engine/divergence.py). Under the delayed update (practice/dpu.py) a save falls between an Adam that has run and
 its publish: the rank file holds the landed masters and moments, the weights forward reads (one update old)
 and a flag that the publish is pending. Loading publishes those weights, puts the landed masters back and
 leaves their publish to the next step, as in the run that saved; an engine that does not delay that step

@@ -127,7 +127,7 @@ def rank_state(engine) -> dict:
         "global_steps": engine.global_steps,
         "micro_steps": engine.micro_steps,
         "skipped_steps": engine.skipped_steps,
-        "skipped_in_a_row": engine.skip_guard.in_a_row,  # divergence.py stops a run at too many
+        "skipped_in_a_row": engine.skip_guard.in_a_row,  # engine/divergence.py stops a run at too many
         "history": list(engine.history),
         "publish_pending": pending,
         # Every step updates every master tensor, so they all share one count.

@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from ..basics import estimate_model_states  # noqa: E402
 from ..cli import main as zo_cli  # noqa: E402
-from ..practice.run_dir import newest_complete  # noqa: E402
+from ..cli.train.run_dir import newest_complete  # noqa: E402
 from ..principles.process_group import free_port  # noqa: E402
 from ..tuning import perfmodel  # noqa: E402
 from ..units import format_bytes, format_gb  # noqa: E402

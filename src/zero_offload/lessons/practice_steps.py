@@ -1,6 +1,6 @@
 """Lesson 5, sections 1 to 3: module 5's configuration, one step of each schedule zoomed in, and bit-identity runs.
 
-`compare_schedules` (practice/schedules.py) times whole steps; `zoom` here also reads each step's phases from the
+`compare_schedules` (cli/bench/schedules.py) times whole steps; `zoom` here also reads each step's phases from the
 engine's timeline, so that the lesson can say where the time of a step went and what overlapping hid.
 """
 
@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 from .. import initialize  # noqa: E402
 from ..accelerator import EmulatedAccelerator  # noqa: E402
-from ..practice.schedules import _restored_threads, split_cores  # noqa: E402
+from ..cli.bench.schedules import _restored_threads, split_cores  # noqa: E402
 from ..practice.timeline import STAGES  # noqa: E402
 from ..workloads import ByteBatches, TinyGPT, gpt_config, lm_loss  # noqa: E402
 

@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..streams import Event
+from ..accelerator.streams import Event
 
 
 class DelayedUpdate:

@@ -7,7 +7,7 @@ as the next backward is done with that unit, so the uploads overlap backward too
 
 from __future__ import annotations
 
-from ..streams import Event
+from ..accelerator.streams import Event
 
 
 class EarlyUploads:

@@ -39,19 +39,8 @@ from pathlib import Path
 import torch
 
 from ..implementation.durable import write_temp
+from .spans import DEVICE_STAGES, STAGES, Span
 from .timeline_plots import plot_timeline
-
-STAGES = ("forward", "backward", "reduce", "D2H", "NVMe read", "Adam", "NVMe write", "H2D", "all-gather")
-# The stages whose work a GPU queues and runs later: on CUDA they are timed by events, the others by the host.
-DEVICE_STAGES = frozenset({"forward", "backward", "reduce", "D2H", "H2D", "all-gather"})
-
-
-@dataclass(frozen=True)
-class Span:
-    stage: str
-    step: int  # the optimizer step this work belongs to (engine.global_steps while it ran)
-    start: float  # seconds since the timeline was made
-    end: float
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,8 @@ schedules' lengths compare and the widths of the short stages can be read.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .timeline import Span
+from .spans import STAGES, Span
 
 # A bar is drawn at least this wide, as a fraction of the axis, so that a span too short to measure still shows.
 MIN_BAR_FRACTION = 0.002
@@ -29,14 +27,10 @@ def _bars(spans: list[Span], stage: str, origin: float, min_width_ms: float) -> 
 
 def _lanes(span_lists) -> list[str]:
     """The stages that occur in any of `span_lists`, in the order a step runs them."""
-    from .timeline import STAGES  # imported here: timeline.py imports this module
-
     return [stage for stage in STAGES if any(s.stage == stage for spans in span_lists for s in spans)]
 
 
 def _colors(plt) -> dict[str, tuple]:
-    from .timeline import STAGES
-
     return dict(zip(STAGES, plt.get_cmap("tab10").colors, strict=False))
 
 

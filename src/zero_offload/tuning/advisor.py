@@ -11,8 +11,8 @@ numbers for the hardware and model at hand, instead of quoting a rule of thumb:
 `recommend` picks the fastest configuration that fits, and where the device has room for part of the
 optimizer, the smallest offload ratio that fits (the share of the optimizer step run on the host).
 
-What `zo plan` prints and draws from these is plan_report.py (its names are handed on from here too, as
-`advisor.describe` and `advisor.save_plots`).
+`plan_layouts` does the same for each layout of data, tensor and pipeline parallelism (parallel.py). What
+`zo plan` prints and draws from these is plan_report.py.
 """
 
 from __future__ import annotations
@@ -20,18 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..units import format_gb as gb
+from .parallel import layouts
 from .perfmodel import HOST_RESERVE, Hardware, Plan, Workload, plan, plan_all
-from .plan_report import describe, format_plans, format_recommendation, save_plots
 
 __all__ = [
     "Advice",
     "Recommendation",
     "advise",
-    "describe",
-    "format_plans",
-    "format_recommendation",
+    "plan_layouts",
     "recommend",
-    "save_plots",
     "smallest_ratio",
 ]
 
@@ -251,3 +248,27 @@ def recommend(hw: Hardware, wl: Workload) -> Recommendation:
     if wl.recompute:
         config["activation_checkpointing"] = {}
     return Recommendation(best, wl, config, reasons, advise(hw, wl, best, plans))
+
+
+def plan_layouts(hw, wl, node_counts: tuple[int, ...] | None = None) -> list[tuple]:
+    """(hardware, layout, the fastest plan that fits or None, the plan with the least device memory) for each
+    layout on `node_counts` hosts (default: hw.nodes and twice as many); full offload only."""
+    counts = node_counts or (hw.nodes, 2 * hw.nodes)
+    rows = []
+    for nodes in counts:
+        job = replace(hw, nodes=nodes)
+        for layout in layouts(job):
+            choices = [(0, "none"), (1, "none"), (1, "optimizer")]
+            if layout.pp == 1:
+                choices += [
+                    (2, "none"),
+                    (2, "optimizer"),
+                    (3, "none"),
+                    (3, "optimizer"),
+                    (3, "optimizer+param"),
+                ]
+            plans = [plan(job, wl, stage, offload, layout=layout) for stage, offload in choices]
+            fitting = [p for p in plans if p.fits]
+            best = min(fitting, key=lambda p: p.preference) if fitting else None  # as recommend ranks
+            rows.append((job, layout, best, min(plans, key=lambda p: p.device_bytes)))
+    return rows

@@ -97,31 +97,3 @@ def layouts(hw) -> list[Layout]:
     return [
         Layout(tp, pp) for tp in LAYOUT_TP for pp in LAYOUT_PP if hw.gpus % tp == 0 and world % (tp * pp) == 0
     ]
-
-
-def plan_layouts(hw, wl, node_counts: tuple[int, ...] | None = None) -> list[tuple]:
-    """(hardware, layout, the fastest plan that fits or None, the plan with the least device memory) for each
-    layout on `node_counts` hosts (default: hw.nodes and twice as many); full offload only."""
-    from dataclasses import replace
-
-    from .perfmodel import plan
-
-    counts = node_counts or (hw.nodes, 2 * hw.nodes)
-    rows = []
-    for nodes in counts:
-        job = replace(hw, nodes=nodes)
-        for layout in layouts(job):
-            choices = [(0, "none"), (1, "none"), (1, "optimizer")]
-            if layout.pp == 1:
-                choices += [
-                    (2, "none"),
-                    (2, "optimizer"),
-                    (3, "none"),
-                    (3, "optimizer"),
-                    (3, "optimizer+param"),
-                ]
-            plans = [plan(job, wl, stage, offload, layout=layout) for stage, offload in choices]
-            fitting = [p for p in plans if p.fits]
-            best = min(fitting, key=lambda p: p.preference) if fitting else None  # as advisor.recommend ranks
-            rows.append((job, layout, best, min(plans, key=lambda p: p.device_bytes)))
-    return rows

@@ -10,13 +10,10 @@ import json
 import math
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..units import format_gb as gb
+from .advisor import Recommendation
 from .perfmodel import Hardware, Plan, Workload, plan
-
-if TYPE_CHECKING:  # advisor.py imports this file: its Recommendation is needed for the annotation only
-    from .advisor import Recommendation
 
 
 # -- what `zo plan` prints ----------------------------------------------------------------------------------
@@ -79,7 +76,7 @@ def format_plans(plans: list[Plan]) -> str:
 
 
 def format_layouts(rows: list[tuple]) -> str:
-    """parallel.plan_layouts as a table: the fastest full-offload choice that fits for each (dp, tp, pp)."""
+    """advisor.plan_layouts as a table: the fastest full-offload choice that fits for each (dp, tp, pp)."""
     head = (
         f"{'nodes':>5}{'GPUs':>5}{'dp':>4}{'tp':>4}{'pp':>4}{'micro':>6}  {'fastest that fits':<34}{'device':>9}"
         f"{'host':>10}{'serial s':>9}{'overlap s':>10}  {'bottleneck':<11}{'TP+PP s':>8}{'bubble s':>9}"

@@ -1,0 +1,140 @@
+"""Two `make bench` sections about the Adam kernel, reported as ratios within one run:
+
+  adam_implementations()  one Adam step over fp32 parameters: naive, torch's foreach and fused, DeepSpeed's
+                          CPU Adam where installed, ours per variant and thread count, and the memory floor;
+  offload_update()        the whole offloaded update (fp16 gradients in, unscale, Adam, fp16 weights out):
+                          torch's passes against our one pass.
+
+Both time their contenders in interleaved rounds (timing.py), so that a slow spell hits all alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...basics.adam import Adam
+from ...tuning.build import CompilerNotFound
+from ...tuning.cpu_adam import CPUAdam, adam_update, memory_floor, supported_variants
+from .timing import interleaved_ms
+
+BYTES_PER_PARAM = 28  # one Adam pass: w, m, v read and written (24) + the fp32 gradient read (4)
+
+
+def _deepspeed_adam(param):
+    """DeepSpeed's own CPU Adam, when `deepspeed` is installed: a reference, never a dependency."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam([param], lr=1e-3, adamw_mode=False)
+
+
+def adam_implementations(numel: int = 16_700_000, rounds: int = 7, threads: int = 2) -> dict:
+    """One Adam step over `numel` fp32 parameters in one tensor: every implementation, ours per variant and
+    thread count, and the memory floor (the same bytes with no arithmetic) at `threads` threads."""
+    torch.set_num_threads(threads)
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    makers = {
+        "naive (basics.Adam)": lambda p: Adam([p], lr=1e-3),
+        "torch foreach": lambda p: torch.optim.Adam([p], lr=1e-3, foreach=True),
+        "torch fused": lambda p: torch.optim.Adam([p], lr=1e-3, fused=True),
+        "DeepSpeedCPUAdam": _deepspeed_adam,
+    }
+    for variant in _c_variants():
+        for count in range(1, threads + 1):
+            makers[f"ours {variant} x{count}"] = lambda p, v=variant, t=count: CPUAdam(
+                [p], lr=1e-3, adamw=False, variant=v, threads=t
+            )
+    steps, skipped = {}, {}
+    for name, make in makers.items():
+        param = torch.zeros(numel, requires_grad=True)
+        param.grad = grad
+        try:
+            steps[name] = make(param).step
+        except Exception as err:  # noqa: BLE001 - an optional reference that cannot be built is reported, not fatal
+            skipped[name] = f"{type(err).__name__}: {err}".splitlines()[0][:100]
+    if _c_variants():
+        scratch = [torch.zeros(numel) for _ in range(3)]
+        steps["memory floor"] = lambda: memory_floor(
+            scratch[0], grad, scratch[1], scratch[2], threads=threads
+        )
+    ms = interleaved_ms(steps, rounds, desc="Adam implementations")
+    floor = ms.pop("memory floor", None)
+    return {"numel": numel, "threads": threads, "median_ms": ms, "floor_ms": floor, "skipped": skipped}
+
+
+def _c_variants() -> list[str]:
+    try:
+        return supported_variants()
+    except CompilerNotFound:
+        return []
+
+
+def offload_update(numel: int = 16_700_000, rounds: int = 7, threads: int = 2) -> dict:
+    """The whole offloaded update: fp16 gradients in, the loss-scale factor applied, Adam, fp16 weights out.
+
+    torch does it in passes (upcast, scale, fused Adam, downcast: about twice the 28 bytes a parameter of
+    one pass); the C kernel reads and writes each element once.
+    """
+    torch.set_num_threads(threads)
+    grad16 = torch.randn(numel, generator=torch.Generator().manual_seed(0)).half()
+    out16 = torch.empty(numel, dtype=torch.float16)
+    param = torch.zeros(numel, requires_grad=True)
+    fused = torch.optim.Adam([param], lr=1e-3, fused=True)
+
+    def torch_pipeline():
+        param.grad = grad16.float().mul_(1 / 1024)
+        fused.step()
+        out16.copy_(param.detach())
+
+    steps = {"torch: upcast, scale, fused Adam, downcast": torch_pipeline}
+    if _c_variants():
+        master, m, v = torch.zeros(numel), torch.zeros(numel), torch.zeros(numel)
+        scratch = [torch.zeros(numel) for _ in range(3)]
+        counter = iter(range(1, 10**6))
+        steps["ours, one pass"] = lambda: adam_update(
+            master, grad16, m, v, step=next(counter), lr=1e-3, grad_scale=1 / 1024, out=out16, threads=threads
+        )
+        steps["memory floor"] = lambda: memory_floor(
+            *scratch[:1], grad16, *scratch[1:], out=out16, threads=threads
+        )
+    ms = interleaved_ms(steps, rounds, desc="offloaded update")
+    return {"numel": numel, "threads": threads, "median_ms": ms, "floor_ms": ms.pop("memory floor", None)}
+
+
+def print_adam_implementations(adam: dict) -> None:
+    fused, floor, numel = adam["median_ms"]["torch fused"], adam["floor_ms"], adam["numel"]
+    print(
+        f"\nAdam step over {numel:,} fp32 parameters, {adam['threads']} threads (medians of interleaved rounds)"
+    )
+    print(f"{'implementation':<28}{'ms':>9}{'vs fused':>10}{'Mparam/s':>10}{'GB/s':>8}{'of floor':>10}")
+    rows = dict(adam["median_ms"], **({"memory floor (no arithmetic)": floor} if floor else {}))
+    for name, ms in rows.items():
+        share = f"{floor / ms:>9.0%}" if floor else f"{'-':>9}"
+        gbps = BYTES_PER_PARAM * numel / ms / 1e6
+        print(f"{name:<28}{ms:>9.1f}{fused / ms:>9.2f}x{numel / ms / 1e3:>10.0f}{gbps:>8.1f} {share}")
+    for name, why in adam["skipped"].items():
+        print(f"{name:<28} skipped: {why}")
+    ours = {
+        n: ms
+        for n, ms in adam["median_ms"].items()
+        if n.startswith("ours") and n.endswith(f"x{adam['threads']}")
+    }
+    if ours and floor:
+        best = min(ours, key=ours.get)
+        print(
+            f"best of ours ({best}): {fused / ours[best]:.2f}x torch fused (target >= 1.0x), "
+            f"{floor / ours[best]:.0%} of the floor (target >= 90%)"
+        )
+
+
+def print_offload_update(update: dict) -> None:
+    numel = update["numel"]
+    print(f"\nOffloaded update over {numel:,} parameters (fp16 gradients in, scale, Adam, fp16 weights out)")
+    baseline = update["median_ms"]["torch: upcast, scale, fused Adam, downcast"]
+    for name, ms in update["median_ms"].items():
+        print(f"{name:<44}{ms:>8.1f} ms{baseline / ms:>8.2f}x")
+    if update["floor_ms"]:
+        ours = update["median_ms"]["ours, one pass"]
+        print(
+            f"{'memory floor (28 bytes a parameter)':<44}{update['floor_ms']:>8.1f} ms   one pass at "
+            f"{update['floor_ms'] / ours:.0%} of it; {baseline / ours:.2f}x the torch pipeline (target >= 2.0x)"
+        )

@@ -1,0 +1,303 @@
+"""The engine: composes the pieces of the five modules into `forward`, `backward`, `step`.
+
+It keeps the training loop's logic: loss scaling, gradient accumulation, skipping a step with an inf or nan in
+any precision and stopping a run that keeps skipping (divergence.py), and the bookkeeping of each step. The rest
+it hands to two objects:
+
+    states     where the model states live (states.py): module 1's MixedPrecisionStates at stage 0,
+               module 2's ShardedStates, module 3's OffloadedStates, module 4's partial and module 5's NVMe tier
+    updating   who runs Adam, when and on which cores (updating.py): serially, module 5's overlapped pipeline,
+               its delayed update; with the clip factor and the learning-rate schedule
+
+so one `step` reads the same for every configuration: reduce, overflow, `updating.step`, record.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+
+import torch
+
+from ..accelerator import Accelerator, HintOnOutOfMemory, get_accelerator
+from ..basics.memory import MemoryLedger, MemoryReport
+from ..basics.precision import DynamicLossScaler, StaticLossScaler, unique_parameters
+from ..config import Config, check_supported, load_config
+from ..implementation.checkpoint import load_checkpoint, save_checkpoint
+from ..implementation.schedulers import build_scheduler
+from ..practice.timeline import Span, Timeline, gather_timeline
+from ..principles.comm import Comm
+from ..principles.process_group import join_launcher_group, leave_launcher_group
+from ..principles.recompute import checkpoint_blocks
+from ..tuning.partial import estimate_for_config
+from .divergence import SkipGuard
+from .model_setup import (
+    check_loss,
+    check_same_parameters,
+    install_upcast_hooks,
+    place_buffers_and_frozen,
+    to_device,
+    warn_unstepped,
+)
+from .optimizers import build_optimizers
+from .states import build_states
+from .updating import Updating
+
+# Engines not closed yet. At exit they are closed, so that a script which never calls engine.close() still ends
+# cleanly (no thread of the engine's running, the group it joined destroyed) while the interpreter is whole.
+_open_engines: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    for engine in list(_open_engines):
+        engine.close()
+
+
+class Engine:
+    """Trains `model` as the config says. Use it as `loss_fn(engine(x), y)`, `engine.backward(loss)`, `engine.step()`."""
+
+    def __init__(self, model: torch.nn.Module, config: Config, *, accelerator: Accelerator | None = None):
+        check_supported(config)
+        self._closed = False
+        # zo.initialize joined the group for this engine: close() destroys it.
+        self._owns_process_group = False
+        self.config, self.model, self.comm = config, model, Comm()
+        self.accelerator = accelerator or get_accelerator(config.zero_offload.device_memory)
+        if self.comm.world_size != config.world_size:
+            raise ValueError(
+                f"the config was loaded for {config.world_size} rank(s) but {self.comm.world_size} are running; "
+                "pass the config through zo.initialize so that it reads the world size itself"
+            )
+        self.comm.check_same("configs", config.fingerprint())
+        check_same_parameters(self.comm, model)  # before the states' collectives, which would mispair
+        params = unique_parameters(model)
+        if not params:
+            raise ValueError("the model has no trainable parameters")
+        # bf16 and fp32 have fp32's exponent range: no scaling.
+        self.scaler = (
+            DynamicLossScaler.from_config(config.fp16) if config.fp16.enabled else StaticLossScaler(1.0)
+        )
+        # Where the model states live (states.py): one states object of modules 1 to 5.
+        self.states = build_states(
+            model, params, config, self.accelerator, self.comm, loss_scale=lambda: self.scaler.scale
+        )
+        self.params, self.num_params = self.states.params, self.states.numel
+        place_buffers_and_frozen(model, self.accelerator, self.states.dtype)
+        offloaded = config.zero_optimization.stage > 0 and config.zero_optimization.offload_optimizer.enabled
+        optimizers = build_optimizers(config, self.states, offloaded=offloaded)
+        self.optimizer = optimizers.optimizer
+        self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
+        self.ledger = MemoryLedger(self.accelerator)
+        self.states.record(self.ledger)
+        if self.accelerator.compute_dtype(self.states.dtype) != self.states.dtype:
+            install_upcast_hooks(model, self.accelerator)
+        if config.activation_checkpointing.enabled:
+            checkpoint_blocks(model, self.accelerator, self.states.dtype)
+        # Module 5: when each stage ran (practice/timeline.py); the collectives and copies record themselves.
+        self._timeline = Timeline(accelerator=self.accelerator)
+        self.comm.timeline = self._timeline
+        if offloaded:
+            self.states.transfers.timeline = self._timeline
+        # Counts the skips in a row nothing cures and stops the run at zero_offload.max_skipped_steps.
+        self.skip_guard = SkipGuard(config.zero_offload.max_skipped_steps, fp16=config.fp16.enabled)
+        # Who runs Adam, when and on which cores (updating.py): the updaters, module 5's pipeline and delayed update.
+        self.updating = Updating(
+            config,
+            self.states,
+            self.accelerator,
+            self.comm,
+            optimizers=optimizers,
+            scaler=self.scaler,
+            skip_guard=self.skip_guard,
+            timeline=self._timeline,
+            lr_scheduler=self.lr_scheduler,
+        )
+        self.micro_steps = 0  # backward calls so far
+        self.global_steps = 0  # optimizer steps taken or skipped
+        self.skipped_steps = 0
+        self._boundary_at: int | None = None  # global_steps when backward last closed a window: step() is due
+        self._warned_unstepped = False
+        # One entry per optimizer step: loss scale, overflow, gradient norm, learning rate, Adam's seconds.
+        self.history: list[dict] = []
+        _open_engines.add(self)
+
+    # -- forward ---------------------------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if self._closed:
+            raise RuntimeError("this engine was closed (engine.close()); make a new one with zo.initialize")
+        args, kwargs = (to_device(v, self.accelerator, self.states.dtype) for v in (args, kwargs))
+        self.states.before_forward()
+        with self.accelerator.activations(self.states.dtype), self._timeline.span("forward"):
+            return self.model(*args, **kwargs)
+
+    forward = __call__
+
+    # -- backward and step -----------------------------------------------------------------------------------------
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.micro_steps % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Scale the loss (loss scale / accumulation steps) and accumulate gradients where the states keep them."""
+        check_loss(loss)
+        if self._boundary_at == self.global_steps and not self._warned_unstepped:
+            self._warned_unstepped = True
+            warn_unstepped(self.gradient_accumulation_steps)
+        last = (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        self.updating.begin_backward(last=last, step=self.global_steps)
+        skip = self.skip_guard.skips_backward(loss, self.comm)  # bf16/fp32: a non-finite loss on any rank
+        self.states.before_backward()  # and after_backward: stage 3 releases what forward gathered
+        if not skip:
+            # Autograd's own buffers (activation gradients, recomputed layers) run out here, with torch's bare text.
+            with self._timeline.span("backward"), HintOnOutOfMemory("activations"):
+                (loss.float() * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
+        self.states.after_backward()
+        self.micro_steps += 1
+        self._boundary_at = self.global_steps if self.is_gradient_accumulation_boundary() else None
+
+    def step(self) -> None:
+        """At an accumulation boundary: reduce, check overflow, unscale, clip, update, publish; else nothing."""
+        if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
+            return
+        self.states.reduce_gradients()
+        skip = self.skip_guard.take_window_skip()
+        if self.config.fp16.enabled and self.states.overflow():  # true on every rank if true on any
+            skip = "fp16 overflow"
+        record = {
+            "step": self.global_steps,
+            "loss_scale": self.scaler.scale,
+            "overflow": skip is not None,
+            "skipped": skip,  # why the step was skipped: fp16 overflow, non-finite loss or gradient norm
+            "grad_norm": None,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "adam_seconds": 0.0,
+        }
+        # The clip factor, Adam, the new weights published, the schedule (updating.py).
+        skip = self.updating.step(self.global_steps, record, skip)
+        record.update(overflow=skip is not None, skipped=skip)
+        self.skipped_steps += skip is not None
+        diverged = self.skip_guard.after_step(
+            self.global_steps + 1, skip, self.scaler
+        )  # before the scale moves
+        self.scaler.update(skip is not None)
+        self.states.zero_grad()
+        self.accelerator.fence_copies()  # the user's next write to a parameter lands after this step's uploads
+        self.global_steps += 1
+        self._timeline.step = self.global_steps
+        self.history.append(record)
+        if diverged is not None:
+            raise diverged
+
+    def synchronize(self) -> None:
+        """Finish a delayed update still in flight and publish its weights. Forward then reads them one step
+        earlier than it would have; a checkpoint does not call this, so that saving leaves the run as it was."""
+        self.updating.synchronize()
+
+    def zero_grad(self) -> None:
+        self.states.zero_grad()
+
+    def close(self) -> None:
+        """Finish the work in flight, stop the engine's threads and, if zo.initialize joined the process group
+        for this script, destroy it (a group the script made is left alone). Idempotent; at exit, an engine
+        still open is closed this way.
+
+        No collective starts here, so a rank can close while another has failed. An update the delayed update
+        still has in flight is finished but not published: call synchronize() first to see it in the model."""
+        if self._closed:
+            return
+        self._closed = True
+        _open_engines.discard(self)
+        try:
+            if self.config.zero_optimization.stage == 3:
+                for index in range(len(self.states.units)):
+                    self.states.release(index)  # waits for a prefetch still in flight
+        finally:
+            self.updating.close()
+            self.states.close()
+            if self._owns_process_group:  # the group goes with the last engine open on it
+                heir = next(iter(_open_engines), None)
+                if heir is not None:
+                    heir._owns_process_group = True
+                else:
+                    leave_launcher_group()
+
+    # -- checkpoints (implementation/checkpoint.py) ------------------------------------------------------------------
+    def save_checkpoint(self, path, tag: str | None = None) -> None:
+        """Every rank writes its shard of the model states, with what it takes to resume, into directory `path`
+        (into its folder `tag`, by default the step; `path/latest` names the newest complete one).
+
+        Saving does not change the run: a delayed update in flight lands but is published at the next step, as
+        it would have been without the save (practice/dpu.py)."""
+        save_checkpoint(self, path, tag)
+        self.skip_guard.last_checkpoint = (str(path), self.global_steps)  # what a diverged run goes back to
+
+    def load_checkpoint(self, path) -> None:
+        """Resume from `path` (the save its `latest` names), saved by any world size: shards are re-cut for this one."""
+        self.synchronize()  # an update in flight must not land on top of the loaded states
+        load_checkpoint(self, path)
+        self.skip_guard.last_checkpoint = (str(path), self.global_steps)
+
+    # -- the full weights outside training (stage 3 holds only shards between forwards) ----------------------------
+    def gathered_parameters(self, params=None, *, modifier_rank: int | None = None):
+        """A context in which `params` (default: every parameter) hold their full weights on every rank.
+
+        Every rank must enter it (at stage 3 it all-gathers). With `modifier_rank=r`, what rank r writes into
+        the weights inside the block becomes every rank's weights and fp32 masters when it ends::
+
+            with engine.gathered_parameters(modifier_rank=0):
+                if rank == 0:
+                    model.lm_head.weight.zero_()
+        """
+        self.synchronize()  # a delayed update in flight would land on top of what is read or written
+        return self.states.gathered(params, modifier_rank=modifier_rank)
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's full state_dict in the training precision, on the CPU, for inference or `save_pretrained`.
+
+        Every rank must call it (at stage 3 each module's weights are gathered in turn)."""
+        self.synchronize()
+        with torch.no_grad():
+            return {
+                name: value.detach().to("cpu", copy=True) for name, value in self.model.state_dict().items()
+            }
+
+    # -- reporting -------------------------------------------------------------------------------------------------
+    def timeline(self, path=None, *, title: str | None = None, trace=None) -> list[list[Span]]:
+        """The stages of the last steps (up to 16) on every rank; with `path` their Gantt chart saved there, with
+        `trace` a Chrome/Perfetto trace (JSON trace events: open it in ui.perfetto.dev or chrome://tracing).
+
+        Every rank must call it (it gathers the ranks' spans); rank 0 draws and writes."""
+        return gather_timeline(self._timeline, self.comm, path, title=title, trace=trace)
+
+    def memory_report(self) -> MemoryReport:
+        """Model-state bytes per tier, estimated and measured, and the device's use and peak."""
+        return MemoryReport(
+            estimated=estimate_for_config(self.config, self.num_params, self.states),
+            measured=self.ledger.measure(),
+            device=self.accelerator.memory_stats(),
+            accelerator=self.accelerator.name,
+            num_params=self.num_params,
+            host_staging=self.states.host_staging_bytes(),
+        )
+
+
+def initialize(model: torch.nn.Module, config, *, accelerator: Accelerator | None = None) -> Engine:
+    """Wrap `model` in an engine configured by `config` (a dict, a path to a DeepSpeed-style JSON, or a Config).
+
+    Under torchrun, a script that has not joined the process group is joined to it here, with the backend of
+    the accelerator (gloo for the emulated device, NCCL for CUDA); the engine then owns that group."""
+    backend = None if accelerator is None else ("nccl" if accelerator.device.type == "cuda" else "gloo")
+    created_group = join_launcher_group(backend)
+    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    try:
+        engine = Engine(model, load_config(config, world_size=world_size), accelerator=accelerator)
+    except BaseException:
+        if created_group:  # nobody else will use the group this call made: leave no gloo threads behind
+            leave_launcher_group()
+        raise
+    engine._owns_process_group = created_group
+    return engine

@@ -1,0 +1,90 @@
+"""Which Adam updates which fp32 masters: chosen from the config, with its moments in the states' own buffers.
+
+`zero_offload.cpu_adam.impl` picks the host's Adam when the optimizer is offloaded: "simd" (module 4's C Adam,
+the default), "torch" (torch's fused Adam, module 3) or "naive" (module 1's). States on the device are always
+updated by torch's fused Adam (or module 1's naive one, when that is the choice). With module 4's partial
+offload there are two optimizers: one for the host's units, one for the units kept on the device.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..basics.adam import Adam
+from ..config import Config
+from ..tuning.build import BuildFailed, CompilerNotFound
+from ..tuning.cpu_adam import CPUAdam
+from ..tuning.partial import SplitOptimizer
+
+
+def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: list, impl: str | None = None):
+    """The Adam that updates the fp32 `params`, with its moments living in the buffers the states allocated.
+
+    `impl` defaults to the config's zero_offload.cpu_adam.impl ("simd", "torch" or "naive")."""
+    opt, impl = config.optimizer, impl or config.zero_offload.cpu_adam.impl
+    kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+    optimizer = simd_optimizer(config, params, kwargs) if impl == "simd" else None  # module 4's C Adam
+    if optimizer is None and impl == "naive":
+        optimizer = Adam(params, adamw=opt.adamw, **kwargs)
+    elif optimizer is None:
+        if not opt.bias_correction:
+            raise ValueError(
+                'optimizer.params.bias_correction=false needs "zero_offload": '
+                '{"cpu_adam": {"impl": "naive"}}; torch.optim.Adam always corrects the bias'
+            )
+        cls = torch.optim.AdamW if opt.adamw else torch.optim.Adam
+        optimizer = cls(params, fused=True, **kwargs)
+    # Filled in before the first step, so the optimizer never allocates moments of its own behind our back.
+    for param, exp_avg, exp_avg_sq in zip(params, exp_avgs, exp_avg_sqs, strict=True):
+        optimizer.state[param] = {
+            "step": torch.zeros((), dtype=torch.float32, device=param.device),
+            "exp_avg": exp_avg,
+            "exp_avg_sq": exp_avg_sq,
+        }
+    return optimizer
+
+
+def simd_optimizer(config: Config, params: list, kwargs: dict):
+    """The C CPU Adam (module 4), or None, with one warning, where no C compiler can build it."""
+    opt, adam = config.optimizer, config.zero_offload.cpu_adam
+    try:
+        return CPUAdam(
+            params,
+            adamw=opt.adamw,
+            bias_correction=opt.bias_correction,
+            threads=adam.threads,
+            variant="auto" if adam.variant == "widest" else adam.variant,
+            **kwargs,
+        )
+    except (CompilerNotFound, BuildFailed) as err:
+        warnings.warn(f"{err}. Falling back to torch.optim's fused Adam for now.", stacklevel=4)
+        return None
+
+
+@dataclass
+class Optimizers:
+    """The engine's optimizers: `optimizer` (what the lr schedule drives), the host's and the device's part."""
+
+    optimizer: torch.optim.Optimizer
+    host: torch.optim.Optimizer | None  # over the first `split` units (every unit when nothing stays behind)
+    device: torch.optim.Optimizer | None  # module 4's partial offload: the units kept on the device
+    split: int
+
+
+def build_optimizers(config: Config, states, *, offloaded: bool) -> Optimizers:
+    """One Adam over every master partition; with a partial offload, one on the host and one on the device."""
+    impl = config.zero_offload.cpu_adam.impl
+    device_impl = "naive" if impl == "naive" else "torch"
+    host_impl = impl if offloaded else device_impl
+    lists = (states.master_params, states.exp_avgs, states.exp_avg_sqs)
+    # The first optimizer's units: the host's when offloaded (all but module 4's device units), else all.
+    split = states.host_units if offloaded else len(states.master_params)
+    if split == len(states.master_params):
+        host = build_optimizer(config, *lists, impl=host_impl)
+        return Optimizers(host, host, None, split)
+    host = build_optimizer(config, *(x[:split] for x in lists), impl=host_impl) if split else None
+    device = build_optimizer(config, *(x[split:] for x in lists), impl=device_impl)
+    return Optimizers(SplitOptimizer(host, device), host, device, split)

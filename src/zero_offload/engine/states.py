@@ -1,0 +1,53 @@
+"""Where the model states live: the states object the config picks, one per module.
+
+    stage 0                              module 1's MixedPrecisionStates: everything on the device, replicated
+    stages 1-3                           module 2's ShardedStates: sharded across ranks, all on the device
+    stages 1-3 + offload_optimizer       module 3's OffloadedStates: the fp32 optimizer half on the host
+      ... with ratio < 1                 module 4's PartialOffloadStates: some of the units kept on the device
+      ... with device "nvme"             module 5's NVMeStates: that half in files, a few sub-groups in memory
+
+Each answers the same questions (reduce the gradients, report an overflow, give the fp32 gradients, publish
+the new weights); who runs Adam over them, and when, is updating.py's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..accelerator import Accelerator
+from ..basics.precision import MixedPrecisionStates
+from ..config import Config
+from ..implementation.offload import OffloadedStates
+from ..practice.nvme import NVMeStates
+from ..principles.comm import Comm
+from ..principles.partition import build_units
+from ..principles.zero import ShardedStates
+from ..tuning.partial import PartialOffloadStates
+
+
+def build_states(
+    model: torch.nn.Module, params: list, config: Config, accel: Accelerator, comm: Comm, *, loss_scale
+):
+    """The states of `model` (its unique trainable `params`); `loss_scale()` is the current loss scale, which
+    the offloaded states divide the gradients by on their way to the host."""
+    zero = config.zero_optimization
+    if zero.stage == 0:  # the norm summed unit by unit, as the other stages do: one rank gets the same number
+        pieces = [unit.numel for unit in build_units(model, 1, 0)]
+        return MixedPrecisionStates(params, accel, config.precision, comm, norm_pieces=pieces)
+    if not zero.offload_optimizer.enabled:
+        return ShardedStates(model, accel, config.precision, zero.stage, comm, zero)
+    tier = OffloadedStates
+    if zero.offload_optimizer.device == "nvme":  # module 5
+        tier = NVMeStates
+    elif zero.offload_optimizer.ratio < 1.0:  # module 4
+        tier = PartialOffloadStates
+    return tier(
+        model,
+        accel,
+        config.precision,
+        zero.stage,
+        comm,
+        zero,
+        loss_scale=loss_scale,
+        pipelined=config.zero_offload.overlap_offload,
+    )

@@ -1,0 +1,219 @@
+"""The layout of src/zero_offload holds its shape: no import cycle, each module package imports only what lies
+below it, the engine composes modules 1-5, `cli/` uses everything and nothing uses it, and no loose modules sit
+beside the shared leaves.
+
+The source is read with `ast`; nothing is imported. Every import counts: at module level, inside a function and
+under `if TYPE_CHECKING`. A function-local import hides a circle from Python, not from the reader of the code.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "zero_offload"
+
+# The top-level modules everything may use; the rest of the code lives in packages.
+SHARED_LEAVES = {"__init__.py", "units.py", "workloads.py", "plots.py"}
+
+# Who may import whom: a package imports only packages of a lower rank (or its own modules). The inputs and the
+# device are at the bottom and may use each other; the root package is the engine's front door (`zo.initialize`).
+FOUNDATION = {"units", "workloads", "plots", "config", "accelerator"}
+RANK = {
+    **dict.fromkeys(FOUNDATION, 0),
+    "basics": 1,
+    "principles": 2,
+    "implementation": 3,
+    "tuning": 4,
+    "practice": 5,
+    "engine": 6,
+    "zero_offload": 6,
+    "cli": 7,
+    "lessons": 8,  # the notebooks' helpers: they run the commands and the experiments
+}
+# Imports across the ranks that are meant: (importer, imported) -> why.
+ALLOWED = {
+    ("zero_offload", "engine"): "the root package hands on Engine and initialize",
+    ("plots", "basics"): "plot_model_states draws basics.memory's model-state bytes per tier",
+}
+
+
+def module_files(root: Path) -> dict[str, Path]:
+    """Every module of the package at `root`, by dotted name (a package by its own name, not `__init__`)."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def import_edges(root: Path) -> dict[str, dict[str, int]]:
+    """For each module, the modules of the package it imports, each with the line of its first import."""
+    files = module_files(root)
+    edges: dict[str, dict[str, int]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: dict[str, int] = {}
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                # `from pkg import sub` imports the module pkg.sub; `from pkg import name`, pkg itself
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target not in files and "." in target:
+                    target = target.rpartition(".")[0]
+                if target in files and target != name:
+                    found.setdefault(target, node.lineno)
+        edges[name] = found
+    return edges
+
+
+def import_cycles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def _package(module: str) -> str:
+    """The top-level package (or shared leaf) a module belongs to: zero_offload.tuning.cpu_adam -> tuning."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def rule_breaks(root: Path, edges: dict[str, dict[str, int]]) -> list[str]:
+    """Each import that climbs the ranks: 'file:line: importer imports imported (package -> package)'."""
+    files = module_files(root)
+    breaks = []
+    for importer, targets in sorted(edges.items()):
+        mine = _package(importer)
+        for target, line in sorted(targets.items()):
+            theirs = _package(target)
+            if mine == theirs or (mine, theirs) in ALLOWED:
+                continue
+            below = RANK[theirs] < RANK[mine] or (mine in FOUNDATION and theirs in FOUNDATION)
+            if not below:
+                where = files[importer].relative_to(root.parent)
+                breaks.append(f"{where}:{line}: {importer} imports {target} ({mine} -> {theirs})")
+    return breaks
+
+
+def test_every_package_has_a_rank():
+    tops = {
+        p.stem if p.is_file() else p.name
+        for p in SRC.iterdir()
+        if p.suffix == ".py" or (p / "__init__.py").exists()
+    }
+    tops = {"zero_offload" if t == "__init__" else t for t in tops}
+    assert tops <= set(RANK), f"give {sorted(tops - set(RANK))} a rank in tests/test_layout.py"
+
+
+def test_no_import_cycle():
+    edges = import_edges(SRC)
+    cycles = import_cycles(edges)
+    described = [
+        " <-> ".join(cycle)
+        + "\n    "
+        + "\n    ".join(f"{a} imports {b}" for a in cycle for b in edges[a] if b in cycle)
+        for cycle in cycles
+    ]
+    assert not cycles, "import cycles (move the shared names to the module below both):\n" + "\n".join(
+        described
+    )
+
+
+def test_each_package_imports_only_what_lies_below_it():
+    breaks = rule_breaks(SRC, import_edges(SRC))
+    assert not breaks, (
+        "modules 1-5 import only lower-numbered modules and the inputs (config, accelerator, the shared "
+        "leaves); engine/ imports modules 1-5; only cli/ and lessons/ import the engine or cli/:\n"
+        + "\n".join(breaks)
+    )
+
+
+def loose_modules(root: Path) -> list[str]:
+    return sorted(p.name for p in root.glob("*.py") if p.name not in SHARED_LEAVES)
+
+
+def test_no_loose_modules_beside_the_shared_leaves():
+    loose = loose_modules(SRC)
+    assert not loose, f"top-level modules beyond the shared leaves {sorted(SHARED_LEAVES)}: {loose}"
+
+
+def test_every_package_has_an_init():
+    missing = sorted(
+        str(d.relative_to(SRC))
+        for d in SRC.rglob("*")
+        if d.is_dir() and any(d.glob("*.py")) and not (d / "__init__.py").exists()
+    )
+    assert not missing, f"folders of modules without an __init__.py: {missing}"
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
+def test_the_checks_see_a_circle_a_climb_and_a_loose_module(tmp_path):
+    """A planted cycle (through a function-local and a TYPE_CHECKING import) and a module importing the engine."""
+    root = tmp_path / "zero_offload"
+    _write(root / "__init__.py", "from .engine import initialize\n")
+    _write(root / "engine" / "__init__.py", "from .core import initialize\n")
+    _write(root / "engine" / "core.py", "from ..practice import pipeline\n\ndef initialize():\n    pass\n")
+    _write(root / "practice" / "__init__.py", "")
+    _write(root / "practice" / "pipeline.py", "def run():\n    from .. import initialize\n")
+    _write(root / "tuning" / "__init__.py", "")
+    _write(
+        root / "tuning" / "a.py",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n",
+    )
+    _write(root / "tuning" / "b.py", "from . import a\nB = 1\n")
+    _write(root / "bench.py", "")
+    edges = import_edges(root)
+    assert import_cycles(edges) == [
+        ["zero_offload", "zero_offload.engine", "zero_offload.engine.core", "zero_offload.practice.pipeline"],
+        ["zero_offload.tuning.a", "zero_offload.tuning.b"],
+    ]
+    assert rule_breaks(root, edges) == [
+        "zero_offload/practice/pipeline.py:2: zero_offload.practice.pipeline imports zero_offload "
+        "(practice -> zero_offload)"
+    ]
+    assert loose_modules(root) == ["bench.py"]
