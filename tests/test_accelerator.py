@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+import zero_offload as zo
 from zero_offload.accelerator import DeviceOutOfMemoryError, EmulatedAccelerator, get_accelerator
 
 MiB = 2**20
@@ -292,3 +293,12 @@ def test_a_second_budget_while_the_first_engines_accelerator_lives_is_refused(mo
     assert [f for name, f in calls if name == "cap"] == [0.25, 0.25, 0.5]
     del first
     CudaAccelerator(index=1)  # its owner is gone: the cap is set afresh
+
+
+def test_each_engine_reports_its_own_peak_on_a_shared_accelerator():
+    accel = EmulatedAccelerator()
+    big = accel.empty(1 << 20, torch.float32)  # 4 MiB from an earlier run on the same device
+    del big
+    engine = zo.initialize(torch.nn.Linear(4, 4), {"train_batch_size": 1}, accelerator=accel)
+    assert engine.memory_report().device.peak < 1 << 20
+    engine.close()

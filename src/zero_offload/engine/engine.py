@@ -64,6 +64,8 @@ class Engine:
         self._owns_process_group = False
         self.config, self.model, self.comm = config, model, Comm()
         self.accelerator = accelerator or get_accelerator(config.zero_offload.device_memory)
+        # An accelerator may serve several engines in turn (gpu-check reuses one): each reports its own peak.
+        self.accelerator.reset_peak()
         if self.comm.world_size != config.world_size:
             raise ValueError(
                 f"the config was loaded for {config.world_size} rank(s) but {self.comm.world_size} are running; "
