@@ -49,12 +49,12 @@ class CudaAccelerator(Accelerator):
         owner, budget = _cap_owners.get(index, (lambda: None, None))
         if owner() is not None and budget != capacity:
             gc.collect()  # an engine dropped but caught in a reference cycle no longer counts
-        if owner() is not None and budget != capacity:
-            raise ValueError(
-                f"cuda:{index} is already capped at {_budget(budget)} for an engine still alive in this process, and "
-                f"this one asks for {_budget(capacity)}: the cap is per process. Give every engine of the process the "
-                "same zero_offload.device_memory (or ZO_DEVICE_MEMORY), or pass the first engine's accelerator on"
-            )
+            if owner() is not None:
+                raise ValueError(
+                    f"cuda:{index} is already capped at {_budget(budget)} for an engine still alive in this process, and "
+                    f"this one asks for {_budget(capacity)}: the cap is per process. Give every engine of the process the "
+                    "same zero_offload.device_memory (or ZO_DEVICE_MEMORY), or pass the first engine's accelerator on"
+                )
         if owner() is None:
             _cap_owners[index] = (weakref.ref(self), capacity)
         fraction = 1.0
@@ -81,9 +81,8 @@ class CudaAccelerator(Accelerator):
         dst.copy_(src, non_blocking=non_blocking and (src.is_pinned() or dst.is_pinned()))
 
     def record_event(self) -> Event:
-        event = torch.cuda.Event(
-            blocking=True
-        )  # a host that waits for it sleeps instead of spinning on a core
+        # Blocking: a host that waits for it sleeps instead of spinning on a core the CPU Adam needs.
+        event = torch.cuda.Event(blocking=True)
         event.record(torch.cuda.current_stream(self.device))
         return Event(cuda_event=event)
 

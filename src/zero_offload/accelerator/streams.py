@@ -217,9 +217,8 @@ class CudaStream:
         self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         with torch.cuda.stream(self._stream):
             fn(*args, **kwargs)
-            cuda_event = torch.cuda.Event(
-                blocking=True
-            )  # a host waiting for it sleeps, leaving the core to Adam
+            # Blocking: a host that waits for it sleeps, leaving its core to the CPU Adam.
+            cuda_event = torch.cuda.Event(blocking=True)
             cuda_event.record(self._stream)
         return Event(cuda_event=cuda_event)
 

@@ -15,7 +15,7 @@ import torch
 
 from ..basics.adam import Adam
 from ..config import Config
-from ..tuning.build import BuildFailed, CompilerNotFound
+from ..tuning.build import CPUAdamUnavailable
 from ..tuning.cpu_adam import CPUAdam
 from ..tuning.partial import SplitOptimizer
 
@@ -59,7 +59,7 @@ def simd_optimizer(config: Config, params: list, kwargs: dict):
             variant="auto" if adam.variant == "widest" else adam.variant,
             **kwargs,
         )
-    except (CompilerNotFound, BuildFailed) as err:
+    except CPUAdamUnavailable as err:
         warnings.warn(f"{err}. Falling back to torch.optim's fused Adam for now.", stacklevel=4)
         return None
 

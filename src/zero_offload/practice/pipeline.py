@@ -96,14 +96,11 @@ def warn_pageable_copies(states, accel: Accelerator, keep_gradients: bool) -> No
     copies straight from or into (not its pinned slots) then take its overlap away, without a word otherwise."""
     if states.pin_optimizer or accel.device.type != "cuda":
         return
-    which = [
-        name
-        for name, used in (
-            ("the fp32 master weights, uploaded straight from the host", states.dtype == torch.float32),
-            ("the delayed update's gradient areas", keep_gradients),
-        )
-        if used
-    ]
+    which = []
+    if states.dtype == torch.float32:
+        which.append("the fp32 master weights, uploaded straight from the host")
+    if keep_gradients:
+        which.append("the delayed update's gradient areas")
     if which:
         warnings.warn(
             f"overlap_offload copies {' and '.join(which)} while offload_optimizer.pin_memory is false: from "
@@ -145,9 +142,8 @@ class OffloadPipeline(EarlyUploads, HostGradients):
         largest = max((u.shard_numel for u in states.units[: states.host_units]), default=0)
         warn_pageable_copies(states, accel, keep_gradients)
 
-        def ring(
-            dtype,
-        ):  # always pinned: a few units' worth, and from pageable memory no copy overlaps anything
+        # Always pinned: a few units' worth, and from pageable memory no copy overlaps anything.
+        def ring(dtype):
             return SlotRing([host_buffer(accel, largest, dtype, pin=True) for _ in range(slots)])
 
         self.grad_slots = ring(states.dtype)

@@ -106,9 +106,8 @@ class GatheredWeights:
 
     def _begin_phase(self, phase: str) -> None:
         if self.stage == 3:
-            self._agree_on_unit(
-                END_OF_PASS
-            )  # a rank still gathering for the pass that ends here would hang on it
+            # A rank still gathering for the pass that ends here would otherwise hang on it.
+            self._agree_on_unit(END_OF_PASS)
             if self._order[self._phase]:
                 self._recorded[self._phase] = True  # the pass that just ended has shown its order
             for index in range(len(self.units)):

@@ -87,7 +87,7 @@ def _leaf_hint(wanted, units, running, model_names) -> str:
     involved = {units[i].name for i in wanted if i >= 0}
     for module in reversed(running):
         name = model_names.get(module, "")
-        if all(n == name or n.startswith(f"{name}.") or not name for n in involved):
+        if not name or all(n == name or n.startswith(f"{name}.") for n in involved):
             if name:
                 return f'e.g. "zero_optimization": {{"leaf_module": {{"names": ["{name}"]}}}}'
             return f'e.g. "zero_optimization": {{"leaf_module": {{"classes": ["{type(module).__name__}"]}}}}'

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .build import BuildFailed, CompilerNotFound, build
+from .build import CPUAdamUnavailable, build
 from .cpu_adam import CPUAdam, default_threads, memory_floor, one_pass_update
 from .cpuinfo import cpu_caches
 
@@ -173,7 +173,7 @@ def cpu_adam_profile(
     if impl == "auto":
         try:
             build()
-        except (CompilerNotFound, BuildFailed) as err:
+        except CPUAdamUnavailable as err:
             note = f"measured torch.optim.Adam(fused=True) instead of the C kernel: {err}"
     if impl == "torch" or note:
         name = "torch fused"

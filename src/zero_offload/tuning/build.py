@@ -35,18 +35,22 @@ SANITIZE_FLAGS = (
 _loaded: dict[object, object] = {}  # content key, and (path, flags, name, file stamps), -> module
 
 
-class CompilerNotFound(RuntimeError):
+class CPUAdamUnavailable(RuntimeError):
+    """The C CPU Adam cannot be had here, for one of the reasons below; whoever can do without it catches this."""
+
+
+class CompilerNotFound(CPUAdamUnavailable):
     """The C CPU Adam cannot be built here (no C compiler, or no cffi): the message says what to install."""
 
 
-class BuildFailed(RuntimeError):
+class BuildFailed(CPUAdamUnavailable):
     """The compiler or the loader failed (missing Python headers, a cache directory it cannot write, a broken
     toolchain): the message says which, and the fix. The engine then runs torch's Adam; lab 4 shows the error."""
 
 
 def _build_failed(err: Exception, directory: Path) -> BuildFailed:
     text = str(err)
-    if isinstance(err, OSError) and not isinstance(err, ImportError):
+    if isinstance(err, OSError):
         fix = f"make the cache directory writable, or point ZO_CACHE_DIR at one that is (now {directory})"
     else:
         fix = "check the C compiler ($CC) works, e.g. `make build` shows its full output"
@@ -121,7 +125,7 @@ def build(source: str | Path = SOURCE, *, flags: tuple[str, ...] = FLAGS, name: 
     directory = cache_dir()
     try:
         module = _compile_and_load(cffi, source, header, flags, directory, module_name)
-    except (CompilerNotFound, BuildFailed):
+    except CPUAdamUnavailable:
         raise
     except Exception as err:  # whatever the toolchain or the loader raise: cffi, distutils, OS errors
         raise _build_failed(err, directory) from err

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ...basics.adam import Adam
-from ...tuning.build import CompilerNotFound
+from ...tuning.build import CPUAdamUnavailable
 from ...tuning.cpu_adam import CPUAdam, adam_update, memory_floor, supported_variants
 from .timing import interleaved_ms
 
@@ -64,7 +64,7 @@ def adam_implementations(numel: int = 16_700_000, rounds: int = 7, threads: int 
 def _c_variants() -> list[str]:
     try:
         return supported_variants()
-    except CompilerNotFound:
+    except CPUAdamUnavailable:
         return []
 
 

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from ...accelerator import EmulatedAccelerator
 from ...engine import initialize
-from ...tuning.build import CompilerNotFound
+from ...tuning.build import CPUAdamUnavailable
 from ...tuning.cpu_adam import CPUAdam, dispatched_variant
 from ...tuning.cpuinfo import cpu_caches, cpu_model
 from ...tuning.perfmodel import Workload, cached_share, calibrate, plan
@@ -35,7 +35,7 @@ def machine() -> dict:
     caches = cpu_caches()
     try:
         variant = dispatched_variant()
-    except CompilerNotFound:
+    except CPUAdamUnavailable:
         variant = None
     return {
         "cpu": cpu_model(),
@@ -171,7 +171,7 @@ def after_torch_op(numel: int = 16_700_000, rounds: int = 7, threads: int = 2) -
         steps = {"torch fused": make(True)}
         try:
             steps = {f"ours {dispatched_variant()} x{threads}": make(False), **steps}
-        except CompilerNotFound:
+        except CPUAdamUnavailable:
             pass
         conditions = {"quiet": lambda: time.sleep(0.1), "after a torch op": lambda: scratch.mul_(1.0)}
         times = {(impl, cond): [] for impl in steps for cond in conditions}
