@@ -77,7 +77,7 @@ lint: $(STAMP)
 # One prepared smoke test of the CUDA path, minutes on one GPU. It installs nothing: a bare checkout runs it with
 # the machine's own Python and torch. Without CUDA it says so and exits 0. Figures: out/gpu-check/results.json.
 gpu-check:
-	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(if $(wildcard $(PY)),$(PY),$(PYTHON)) tools/gpu_check.py
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m tools.gpu_check
 
 clean:
 	rm -rf out .pytest_cache
