@@ -55,7 +55,7 @@ jupyter: $(STAMP)
 
 # The course as an offline static website in out/site/ (chapters, lessons with their stored outputs, labs, API).
 site: $(STAMP)
-	$(PY) tools/build_site.py
+	$(PY) -m tools.build_site
 
 SITE_PORT ?= 8000
 serve-site:
@@ -65,7 +65,7 @@ serve-site:
 # Opens the built site in Chromium (Debian's, through Playwright): math, images, CJK glyphs, Chinese search.
 # Screenshots and report.json in out/site-check/.
 site-check: site
-	$(PY) tools/check_site.py
+	$(PY) -m tools.check_site
 
 bench: $(STAMP)
 	$(VENV)/bin/zo bench
