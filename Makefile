@@ -55,7 +55,7 @@ jupyter: $(STAMP)
 
 # The course as an offline static website in out/site/ (chapters, lessons with their stored outputs, labs, API).
 site: $(STAMP)
-	$(PY) tools/build_site.py
+	$(PY) -m tools.build_site
 
 SITE_PORT ?= 8000
 serve-site:
@@ -65,7 +65,7 @@ serve-site:
 # Opens the built site in Chromium (Debian's, through Playwright): math, images, CJK glyphs, Chinese search.
 # Screenshots and report.json in out/site-check/.
 site-check: site
-	$(PY) tools/check_site.py
+	$(PY) -m tools.check_site
 
 bench: $(STAMP)
 	$(VENV)/bin/zo bench
@@ -77,7 +77,7 @@ lint: $(STAMP)
 # One prepared smoke test of the CUDA path, minutes on one GPU. It installs nothing: a bare checkout runs it with
 # the machine's own Python and torch. Without CUDA it says so and exits 0. Figures: out/gpu-check/results.json.
 gpu-check:
-	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(if $(wildcard $(PY)),$(PY),$(PYTHON)) tools/gpu_check.py
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m tools.gpu_check
 
 clean:
 	rm -rf out .pytest_cache

@@ -1,9 +1,8 @@
-"""tools/gpu_check.py, the one prepared GPU smoke test, tried where there is no GPU: without torch or CUDA it
+"""tools/gpu_check/ (`python -m tools.gpu_check`), the one prepared GPU smoke test, tried where there is no GPU: without torch or CUDA it
 says so and exits 0; --emulated runs every engine check on the emulated device; a failing check fails the run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -14,28 +13,27 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "gpu_check.py"
+from tools import gpu_check
+from tools.gpu_check import configs as gpu_check_configs
+from tools.gpu_check import dist as gpu_check_dist
+from tools.gpu_check import runs as gpu_check_runs
+
+ROOT = Path(__file__).resolve().parents[1]
 CUDA_ONLY = ("sanitizer", "bandwidth")
 
 
 def _run(*args: str, code: str | None = None, **env: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-c", code, str(SCRIPT), *args] if code else [sys.executable, str(SCRIPT), *args]
+    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "tools.gpu_check", *args]
     environ = dict(os.environ, ZO_DEVICE="cpu", **env)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=environ)
+    # From the repository root, as `make gpu-check` runs it: the package tools is found there.
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=environ, cwd=ROOT)
 
 
-# Runs the script as __main__ after making a module unimportable, as on a machine that lacks it.
+# Runs the package as `python -m` would, after making a module unimportable, as on a machine that lacks it.
 WITHOUT = (
-    "import runpy, sys; sys.modules[{name!r}] = None; script = sys.argv[1]; sys.argv = sys.argv[1:]; "
-    "runpy.run_path(script, run_name='__main__')"
+    "import runpy, sys; sys.modules[{name!r}] = None; "
+    "runpy.run_module('tools.gpu_check', run_name='__main__', alter_sys=True)"
 )
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +103,6 @@ def test_without_cffi_the_emulated_run_falls_back_to_torchs_adam_and_still_passe
 def test_a_check_that_raises_is_recorded_as_failed_the_others_still_run_and_the_exit_status_is_1(
     tmp_path, monkeypatch
 ):
-    gpu_check = _load_script()
-    import gpu_check_runs
-
     def broken(setup):
         raise RuntimeError("the copy landed late\nsecond line\nthird line")
 
@@ -124,9 +119,6 @@ def test_a_check_that_raises_is_recorded_as_failed_the_others_still_run_and_the_
 
 
 def test_weights_that_differ_in_one_bit_fail_the_equality_check(tmp_path, monkeypatch):
-    gpu_check = _load_script()
-    import gpu_check_runs
-
     real_train = gpu_check_runs.train
 
     def one_bit_off_when_overlapped(setup, config, **kwargs):
@@ -143,9 +135,6 @@ def test_weights_that_differ_in_one_bit_fail_the_equality_check(tmp_path, monkey
 
 
 def test_an_engine_that_never_uploads_its_new_weights_fails_configurations(tmp_path, monkeypatch):
-    gpu_check = _load_script()
-    import gpu_check_configs
-
     from zero_offload.implementation.transfers import Transfers
 
     # The serial step's publish, the pipeline's uploads, and the delayed update's (during the next backward).
@@ -161,8 +150,6 @@ def test_an_engine_that_never_uploads_its_new_weights_fails_configurations(tmp_p
 
 
 def test_a_delayed_update_that_does_not_wait_for_its_uploads_fails_dpu_race(tmp_path, monkeypatch):
-    gpu_check = _load_script()
-
     from zero_offload.practice.dpu import DelayedUpdate
 
     finish = DelayedUpdate.finish
@@ -214,13 +201,10 @@ def test_a_delayed_update_that_does_not_wait_for_its_uploads_fails_dpu_race(tmp_
 def test_on_cuda_a_skipped_sanitizer_fails_and_so_does_a_check_the_budget_left_out(
     name, result, emulated, counts_as
 ):
-    gpu_check = _load_script()
     assert gpu_check.verdict(name, result, emulated=emulated)["status"] == counts_as
 
 
 def test_the_torch_api_check_names_the_older_collectives_and_fails_without_any(monkeypatch):
-    _load_script()
-    import gpu_check_dist
     import torch.distributed as dist
 
     for name in ("reduce_scatter_single", "all_gather_single"):  # as in torch 2.1 to 2.12
@@ -236,7 +220,6 @@ def test_the_torch_api_check_names_the_older_collectives_and_fails_without_any(m
 
 
 def test_checks_not_started_within_the_budget_are_skipped_with_the_reason(tmp_path):
-    gpu_check = _load_script()
     assert gpu_check.main(["--emulated", "--out", str(tmp_path), "--only", "oom_hint", "--budget", "0"]) == 0
     check = json.loads((tmp_path / "results.json").read_text())["checks"]["oom_hint"]
     assert check["status"] == "skipped" and "budget" in check["reason"]

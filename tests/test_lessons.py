@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import jupytext
 import nbformat
 import pytest
 
+# The same runner as `make lessons`: the test and the target share one implementation.
+from tools import run_lessons
+
 REPO = Path(__file__).resolve().parents[1]
 # A cell that runs longer than this in smoke mode hangs: nbclient stops it with an error that names the cell.
 # How long a notebook takes is not asserted (a busy machine is slow, not wrong).
 SMOKE_CELL_TIMEOUT_S = 120
-
-# tools/ is not a package: load the runner by its path, so the test and `make lessons` share one implementation.
-_spec = importlib.util.spec_from_file_location("zo_run_lessons", REPO / "tools" / "run_lessons.py")
-run_lessons = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(run_lessons)
 
 SOURCES = run_lessons.lesson_sources()
 

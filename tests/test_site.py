@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -16,7 +15,6 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
 
 pytest.importorskip("mkdocs")
 pytest.importorskip("material")
@@ -24,8 +22,7 @@ pytest.importorskip("mkdocs_jupyter")
 pytest.importorskip("jieba")
 pytest.importorskip("latex2mathml")
 
-import build_site  # noqa: E402  (it puts the repository root on sys.path, for tools.site)
-
+from tools import build_site  # noqa: E402
 from tools.site.mathml import MATH_RE, math_html  # noqa: E402
 from tools.site.paths import as_url  # noqa: E402
 

@@ -20,7 +20,7 @@ repository's files, highlighted, so that every page's "source" link and every ba
 works offline), puts a source link on every page, and strips CDN script tags. The work itself is done by the
 package ``tools/site/`` (one module per concern, listed in its ``__init__.py``); this file is its entry point.
 
-    python tools/build_site.py [--site-dir out/site] [--staging out/site-src]
+    python -m tools.build_site [--site-dir out/site] [--staging out/site-src]    (from the repository root)
 """
 
 from __future__ import annotations
@@ -32,17 +32,15 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    # Appended, not prepended: only the namespace package ``tools`` is wanted from the root, and a bare
-    # ``site`` would be Python's own module, hence the ``tools.site`` prefix.
-    sys.path.append(str(ROOT))
+# mkdocs loads this file as its hook module, by its path, and calls these by name (``hooks:`` in mkdocs.yml).
+# The imports are absolute, so that they work there too; the package is ``tools.site``, as a bare ``site``
+# would be Python's own module.
+from tools.site.hooks import on_config, on_files, on_page_content, on_post_page  # noqa: F401
+from tools.site.mathml import MATH_PROBLEMS
+from tools.site.paths import MAP_NAME
+from tools.site.staging import stage
 
-# mkdocs loads this file as its hook module and calls these by name (``hooks:`` in mkdocs.yml).
-from tools.site.hooks import on_config, on_files, on_page_content, on_post_page  # noqa: E402, F401
-from tools.site.mathml import MATH_PROBLEMS  # noqa: E402
-from tools.site.paths import MAP_NAME  # noqa: E402
-from tools.site.staging import stage  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def build(site_dir: Path, staging: Path, strict: bool = True) -> dict:

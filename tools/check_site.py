@@ -13,7 +13,7 @@ Serves ``out/site/`` on 127.0.0.1, opens it in Debian's Chromium through Playwri
 Screenshots and a JSON report go to ``out/site-check/``. Exit status 1 if a check fails, 2 if something needed
 is missing (the message says what and how to install it).
 
-    python tools/check_site.py [--site out/site] [--out out/site-check] [--term 梯度分片]
+    python -m tools.check_site [--site out/site] [--out out/site-check] [--term 梯度分片]
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.append(str(ROOT))  # for the package tools.site (a bare "site" is Python's own module)
+# The package is tools.site: a bare "site" would be Python's own module.
+from tools.site.browser import Missing, check_cjk_font, find_chromium, keep_requests_local, serve
 
-from tools.site.browser import Missing, check_cjk_font, find_chromium, keep_requests_local, serve  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def pick_chapter(site: Path) -> tuple[str, bool, bool]:

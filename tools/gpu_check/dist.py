@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from gpu_check_configs import TOLERANCE, relative_error, snapshot
-from gpu_check_runs import PINNED, Setup, first_difference, make_config, say, train
 
 from zero_offload.accelerator import CudaAccelerator
 from zero_offload.principles.process_group import free_port
 from zero_offload.workloads import TinyGPT
 
-SCRIPT = Path(__file__).resolve().with_name("gpu_check.py")
-SRC = SCRIPT.parent.parent / "src"
+from .configs import TOLERANCE, relative_error, snapshot
+from .runs import PINNED, Setup, child_command, child_pythonpath, first_difference, make_config, say, train
+
 # The single-tensor collectives the engine uses: torch 2.13's names, then those of torch 2.1 to 2.12.
 COLLECTIVES = {
     "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
@@ -85,10 +83,10 @@ def _launch(setup: Setup, scratch: Path, timeout: float) -> list[str]:
     port, env = str(free_port()), dict(os.environ)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(RANKS),
                ZO_DEVICE="cpu" if setup.emulated else "cuda",
-               PYTHONPATH=os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p))  # fmt: skip
+               PYTHONPATH=child_pythonpath())  # fmt: skip
     procs = []
     for rank in range(RANKS):
-        cmd = [sys.executable, str(SCRIPT), "--ranks-child", str(scratch / f"rank{rank}.pt")]
+        cmd = child_command("--ranks-child", str(scratch / f"rank{rank}.pt"))
         cmd += ["--emulated"] if setup.emulated else []
         rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
         procs.append(

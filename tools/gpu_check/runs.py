@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -21,6 +23,21 @@ from zero_offload.accelerator import Accelerator
 from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss, load_corpus
 
 PINNED = {"device": "cpu", "pin_memory": True}
+# The repository root. A check that needs a fresh process runs this package again as a child, with the root
+# (for the package tools.gpu_check) and src/ (a bare checkout on the GPU machine has no installed
+# zero_offload) on the child's PYTHONPATH.
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def child_command(*args: str) -> list[str]:
+    """The command line that runs this package again, in a child process, with these arguments."""
+    return [sys.executable, "-m", "tools.gpu_check", *args]
+
+
+def child_pythonpath() -> str:
+    """PYTHONPATH for a child: the repository root and src/ first, then whatever the parent had."""
+    parts = (str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", ""))
+    return os.pathsep.join(p for p in parts if p)
 
 
 @dataclass

@@ -12,13 +12,25 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from gpu_check_runs import PINNED, Setup, dpu, make_config, median, one_line, overlap, say, sync, train
 
 from zero_offload.accelerator import CudaAccelerator, EmulatedAccelerator
 from zero_offload.workloads import gpt_config
 
-SCRIPT = Path(__file__).resolve().with_name("gpu_check.py")
-SRC = SCRIPT.parent.parent / "src"
+from .runs import (
+    PINNED,
+    Setup,
+    child_command,
+    child_pythonpath,
+    dpu,
+    make_config,
+    median,
+    one_line,
+    overlap,
+    say,
+    sync,
+    train,
+)
+
 NEEDS_CUDA = {"status": "skipped", "reason": "skipped: needs CUDA"}
 RACE_MARK = "data race"  # what the CUDA sanitizer's report says
 
@@ -127,9 +139,8 @@ def check_sanitizer(setup: Setup) -> dict:
     set before torch is imported)."""
     if setup.emulated:
         return dict(NEEDS_CUDA)
-    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, TORCH_CUDA_SANITIZER="1", PYTHONPATH=path)
-    cmd = [sys.executable, str(SCRIPT), "--sanitizer-child"]
+    env = dict(os.environ, TORCH_CUDA_SANITIZER="1", PYTHONPATH=child_pythonpath())
+    cmd = child_command("--sanitizer-child")
     timeout = max(30.0, min(120.0, setup.deadline - time.monotonic()))  # its share of the budget
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

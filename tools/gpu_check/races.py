@@ -21,9 +21,10 @@ import contextlib
 import threading
 
 import torch
-from gpu_check_runs import Setup, deterministic, first_difference, make_config, one_line, say, train
 
 from zero_offload.practice.dpu import DelayedUpdate, DelayedUpdater
+
+from .runs import Setup, deterministic, first_difference, make_config, one_line, say, train
 
 STEPS = 6
 SLEEP_CYCLES = 200_000_000  # about 0.1 s at an H200's 2 GHz: many times a small model's CPU Adam

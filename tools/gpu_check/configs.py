@@ -13,7 +13,7 @@ The delayed parameter update (DPU) cannot match the reference closely: from its 
 gradient was computed on weights one update old. But it applies the same number of updates as the reference, so
 it still ends near it, only less near (DPU_TOLERANCE); a DPU that never uploads stays at w_0 and scores 1.0.
 That tolerance catches uploads that never happen, not one lost update (which scores about 0.25 here, where the
-staleness alone scores 0.13): whether the delayed update's uploads are exact is check 3's (gpu_check_races.py).
+staleness alone scores 0.13): whether the delayed update's uploads are exact is check 3's (races.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from __future__ import annotations
 import math
 
 import torch
-from gpu_check_runs import PINNED, Setup, dpu, hf_model, make_config, median, one_line, overlap, say, train
 
 from zero_offload.workloads import TinyGPT
+
+from .runs import PINNED, Setup, dpu, hf_model, make_config, median, one_line, overlap, say, train
 
 # Measured against stage 0: equal on the emulated device (both compute in fp32); on a GPU the offloaded Adam and
 # the device's differ in the last bits, which low-precision weights and Adam's normalised first steps amplify.

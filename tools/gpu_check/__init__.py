@@ -1,6 +1,10 @@
 """`make gpu-check`: one prepared smoke test of the engine's CUDA path, a few minutes on one GPU.
 
-    python tools/gpu_check.py [--out out/gpu-check] [--only NAME,NAME] [--emulated]
+    PYTHONPATH=src python -m tools.gpu_check [--out out/gpu-check] [--only NAME,NAME] [--emulated]
+
+Run it from the repository root (where the package ``tools`` is found); ``PYTHONPATH=src`` is for a bare
+checkout, where zero_offload is not installed. The checks live one group to a module: configs, runs, races,
+device and dist; this module runs them and records what they found.
 
 Each check runs on its own: a failing one is recorded with its error and the rest still run. The figures are
 printed as they come and written, after every check, to OUT/results.json. Exit status 1 if any check failed.
@@ -17,37 +21,29 @@ on machines without a GPU; the checks that need CUDA are recorded as skipped.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-# A bare checkout on the GPU machine has no installed package: the helpers and src/ are found from here.
-if str(HERE) not in sys.path:
-    sys.path.append(str(HERE))
-if importlib.util.find_spec("zero_offload") is None:
-    sys.path.insert(0, str(HERE.parent / "src"))
-
-CHECKS = (  # name, helper module, function: looked up when run, so a test can replace one
-    ("torch_api", "gpu_check_dist", "check_torch_api"),
-    ("one_gpu_per_rank", "gpu_check_dist", "check_one_gpu_per_rank"),
+CHECKS = (  # name, module of this package, function: looked up when run, so a test can replace one
+    ("torch_api", "dist", "check_torch_api"),
+    ("one_gpu_per_rank", "dist", "check_one_gpu_per_rank"),
     # Early: the slowest of the checks that prove something, so that the budget never leaves it out.
-    ("sanitizer", "gpu_check_device", "check_sanitizer"),
-    ("configurations", "gpu_check_configs", "check_configurations"),
-    ("overlap_equal", "gpu_check_runs", "check_overlap_equal"),
-    ("dpu_race", "gpu_check_races", "check_dpu_race"),
-    ("oom_hint", "gpu_check_device", "check_oom"),
-    ("two_ranks", "gpu_check_dist", "check_two_ranks"),
+    ("sanitizer", "device", "check_sanitizer"),
+    ("configurations", "configs", "check_configurations"),
+    ("overlap_equal", "runs", "check_overlap_equal"),
+    ("dpu_race", "races", "check_dpu_race"),
+    ("oom_hint", "device", "check_oom"),
+    ("two_ranks", "dist", "check_two_ranks"),
     # Last: they measure and report, with nothing to fail on, so the budget may leave them out.
-    ("bandwidth", "gpu_check_device", "check_bandwidth"),
-    ("adam_vs_gpu", "gpu_check_device", "check_adam_vs_gpu"),
-    ("serial_vs_overlap", "gpu_check_device", "check_serial_vs_overlap"),
+    ("bandwidth", "device", "check_bandwidth"),
+    ("adam_vs_gpu", "device", "check_adam_vs_gpu"),
+    ("serial_vs_overlap", "device", "check_serial_vs_overlap"),
 )
 REPORTED = {"bandwidth", "adam_vs_gpu", "serial_vs_overlap"}  # numbers only: "reported, not checked"
 
@@ -96,7 +92,7 @@ def plain(value):
 def run_check(name: str, module: str, function: str, setup) -> dict:
     started = time.perf_counter()
     try:
-        result = getattr(importlib.import_module(module), function)(setup)
+        result = getattr(importlib.import_module(f"{__name__}.{module}"), function)(setup)
         done = "reported" if name in REPORTED else "passed"
         status = result.get("status") or ("failed" if result.get("problems") else done)
         result = {"status": status, **{k: v for k, v in result.items() if k != "status"}}
@@ -122,8 +118,8 @@ def verdict(name: str, result: dict, *, emulated: bool) -> dict:
 
 
 def make_setup(args, scratch: Path, deadline: float):
-    from gpu_check_device import accelerator
-    from gpu_check_runs import Setup
+    from .device import accelerator
+    from .runs import Setup
 
     if args.emulated:
         return Setup(accelerator(True), True, "nano", "tiny", 4, 4, scratch, 20_000, deadline)
@@ -146,15 +142,15 @@ def main(argv=None) -> int:
         # cuBLAS reads this when it starts; without it a deterministic run refuses cuBLAS matmuls.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if args.sanitizer_child:
-        from gpu_check_device import sanitizer_child
+        from .device import sanitizer_child
 
         return sanitizer_child()
     if args.ranks_child:
-        from gpu_check_dist import ranks_child
+        from .dist import ranks_child
 
         return ranks_child(make_setup(args, args.ranks_child.parent, deadline), args.ranks_child)
-    from gpu_check_device import environment
-    from gpu_check_runs import say
+    from .device import environment
+    from .runs import say
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -201,7 +197,3 @@ def main(argv=None) -> int:
     say(f"gpu-check: {counts or 'nothing run'} (reported: figures only, not checked)"
         f"{'; failed: ' + ', '.join(failed) if failed else ''}; figures in {out / 'results.json'}")  # fmt: skip
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
