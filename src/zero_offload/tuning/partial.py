@@ -19,6 +19,7 @@ import torch
 
 from ..basics.memory import ModelStateBytes, estimate_model_states
 from ..implementation.offload import OffloadedStates, adam_step
+from ..implementation.updaters import Update
 
 
 def host_unit_count(shard_sizes: list[int], ratio: float) -> int:
@@ -53,11 +54,11 @@ class DevicePartUpdater:
     def __init__(self, states, optimizer: torch.optim.Optimizer, first_unit: int, *, timeline):
         self.states, self.optimizer, self.first, self.timeline = states, optimizer, first_unit, timeline
 
-    def update(self, grads: list[torch.Tensor], clip_factor: float, norms=None) -> float:
+    def update(self, grads: list[torch.Tensor], clip_factor: float, norms=None) -> Update:
         with self.timeline.span("Adam"):
             masters = self.states.master_params[self.first :]
             adam_step(self.optimizer, masters, grads[self.first :], clip_factor)
-        return 0.0  # what the report calls Adam's seconds is the host's
+        return Update(0.0)  # what the report calls Adam's seconds is the host's; publish() rounds these units
 
 
 def estimate_partial_offload(
