@@ -168,8 +168,8 @@ class OffloadedStates(HostBufferStates):
     """ZeRO stage 1-3 with the optimizer (and at stage 3 optionally the weights) on the host.
 
     Every unit's optimizer states and gradients live on the host. Module 4's partial offload
-    (tuning/partial.py, a subclass) keeps only the leading `host_units` units there and the others on the
-    device, as ZeRO-2 would; the code below handles both. Where each buffer is allocated, and how the memory
+    (tuning/partial.py, host_unit_count) passes `host_units`: only that many leading units there and the others
+    on the device, as ZeRO-2 would; the code below handles both. Where each buffer is allocated, and how the memory
     report counts it, is inherited from host_buffers.HostBufferStates.
     """
 
@@ -184,8 +184,10 @@ class OffloadedStates(HostBufferStates):
         *,
         loss_scale: Callable[[], float],
         pipelined: bool = False,
+        host_units: int | None = None,
     ):
         self.transfers = Transfers(accel)
+        self.host_units = host_units  # None: every unit (the buffers are placed from it, inside __init__)
         # Module 5's pipeline stages gradients through slots of its own: no full-size staging buffer here.
         self.pipelined = pipelined
         self.loss_scale = loss_scale  # read as each shard arrives: gradients reach the host unscaled

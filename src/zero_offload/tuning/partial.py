@@ -18,12 +18,15 @@ import math
 import torch
 
 from ..basics.memory import ModelStateBytes, estimate_model_states
-from ..implementation.offload import OffloadedStates, adam_step
+from ..implementation.offload import adam_step
 from ..implementation.updaters import Update
 
 
 def host_unit_count(shard_sizes: list[int], ratio: float) -> int:
-    """How many leading units keep their optimizer states on the host for offload `ratio` (0 < ratio <= 1)."""
+    """How many leading units keep their optimizer states on the host for offload `ratio` (0 < ratio <= 1).
+
+    The engine gives the count to module 3's OffloadedStates (its `host_units`), which keeps those units'
+    optimizer states on the host and the others, updated there, on the device."""
     target = ratio * sum(shard_sizes)
     best, best_gap, running = 0, target, 0
     for count, size in enumerate(shard_sizes, start=1):
@@ -32,18 +35,6 @@ def host_unit_count(shard_sizes: list[int], ratio: float) -> int:
         if gap <= best_gap:  # on a tie, more on the host: the ratio names the host's share
             best, best_gap = count, gap
     return best
-
-
-class PartialOffloadStates(OffloadedStates):
-    """Module 3's offloaded states with only the leading units closest to `offload_optimizer.ratio` of this
-    rank's optimizer states on the host; the others are kept, and updated, on the device."""
-
-    def __init__(self, model, accel, precision, stage, comm, zero, **kwargs):
-        self.ratio = zero.offload_optimizer.ratio  # read while the buffers are placed, inside __init__
-        super().__init__(model, accel, precision, stage, comm, zero, **kwargs)
-
-    def _host_unit_count(self, shard_sizes: list[int]) -> int:
-        return host_unit_count(shard_sizes, self.ratio)
 
 
 class DevicePartUpdater:
