@@ -90,11 +90,15 @@ class HostAdam:
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
 
-    def step(self, states, grads: list[torch.Tensor], clip_factor: float, units=None, norms=None) -> None:
-        """Adam over the host's units of `states` (or only `units`, indices), each with its fp32 gradient."""
+    def step(self, states, grads: list[torch.Tensor], clip_factor: float, units=None, norms=None) -> bool:
+        """Adam over the host's units of `states` (or only `units`, indices), each with its fp32 gradient.
+
+        Returns whether it also wrote the rounded fp16/bf16 weights into the staging buffers: never here,
+        publish() rounds them (Lab 3.3); the caller passes the answer on to publish(rounded=...)."""
         masters = states.master_params
         chosen = range(len(grads)) if units is None else units
         adam_step(self.optimizer, [masters[i] for i in chosen], [grads[i] for i in chosen], clip_factor)
+        return False
 
     def update(
         self,
@@ -149,8 +153,8 @@ class OffloadedStates(HostBufferStates):
     """ZeRO stage 1-3 with the optimizer (and at stage 3 optionally the weights) on the host.
 
     Every unit's optimizer states and gradients live on the host. Module 4's partial offload
-    (tuning/partial.py, a subclass) keeps only the leading `host_units` units there and the others on the
-    device, as ZeRO-2 would; the code below handles both. Where each buffer is allocated, and how the memory
+    (tuning/partial.py, host_unit_count) passes `host_units`: only that many leading units there and the others
+    on the device, as ZeRO-2 would; the code below handles both. Where each buffer is allocated, and how the memory
     report counts it, is inherited from host_buffers.HostBufferStates.
     """
 
@@ -165,8 +169,10 @@ class OffloadedStates(HostBufferStates):
         *,
         loss_scale: Callable[[], float],
         pipelined: bool = False,
+        host_units: int | None = None,
     ):
         self.transfers = Transfers(accel)
+        self.host_units = host_units  # None: every unit (the buffers are placed from it, inside __init__)
         # Module 5's pipeline stages gradients through slots of its own: no full-size staging buffer here.
         self.pipelined = pipelined
         self.loss_scale = loss_scale  # read as each shard arrives: gradients reach the host unscaled
@@ -177,8 +183,6 @@ class OffloadedStates(HostBufferStates):
         # Stage 3 with offload_param: each gather's upload and all-gather queue on a stream of their own, so the
         # copy hides behind compute and only the unit's reader waits for it.
         self._param_stream = accel.new_stream("zo-param-h2d") if zero.offload_param.enabled else None
-        # Set by module 4's one-pass CPU Adam, which writes the fp16 weights into the staging buffers itself.
-        self.weights_rounded = False
         # Module 5's overlapped pipeline (practice/pipeline.py), when on: it moves the host units' gradients
         # down during backward and their weights up after Adam, and says which units it has published.
         self.pipeline = None
@@ -252,8 +256,9 @@ class OffloadedStates(HostBufferStates):
         if self.pipeline is not None:  # every gradient on the host (and, eager, every unit updated)
             self.pipeline.wait()
 
-    def publish(self) -> None:
-        rounded, self.weights_rounded = self.weights_rounded, False
+    def publish(self, *, rounded: bool = False) -> None:
+        """The new weights where forward reads them. `rounded`: the host's Adam already wrote the host units'
+        rounded weights into the staging buffers (module 4's one pass), so they only need the upload."""
         uploaded = self.pipeline.published_units() if self.pipeline is not None else set()
         for index in range(len(self.units)):
             if index in uploaded:  # module 5's pipeline did the rounding and upload

@@ -99,6 +99,8 @@ class DelayedUpdater:
                  lr_scheduler=None):  # fmt: skip
         self.update, self.states, self.host_adam = update, states, host_adam
         self.accel, self.timeline, self.pipeline, self.lr_scheduler = accel, timeline, pipeline, lr_scheduler
+        # What the host Adam in flight answered: it already rounded the weights publish() uploads (module 4).
+        self.rounded = False
 
     def active(self, step: int) -> bool:
         return self.update.active(step)
@@ -115,7 +117,7 @@ class DelayedUpdater:
 
         def adam(snapshot):  # runs on the host queue while forward and backward of the next step run
             with timeline.span("Adam"):  # the whole partition is the host's: DPU refuses a partial offload
-                host_adam.step(states, snapshot, clip_factor)
+                self.rounded = host_adam.step(states, snapshot, clip_factor)
 
         self.update.step(grads, adam, self.publish, skip=skip)
         pipeline, in_flight = self.pipeline, self.update.in_flight
@@ -127,7 +129,9 @@ class DelayedUpdater:
 
     def publish(self) -> Event:
         """Publish the update that has landed; the event of its uploads, which read what the next Adam writes."""
-        self.states.publish()  # with the pipeline, but for the units whose weights went up during backward
+        rounded, self.rounded = self.rounded, False
+        # With the pipeline, but for the units whose weights went up during backward.
+        self.states.publish(rounded=rounded)
         if self.lr_scheduler is not None:  # the update that just landed read the old rate: move on now
             self.lr_scheduler.step()
         return self.accel.record_event()

@@ -42,6 +42,7 @@ from ..accelerator.streams import Event, WorkerStream
 from ..basics.norm import squared_norm
 from ..implementation.offload import HostAdam
 from ..implementation.transfers import host_buffer
+from ..implementation.updaters import Update
 from .early_uploads import EarlyUploads
 from .host_gradients import HostGradients
 
@@ -228,11 +229,12 @@ class OffloadPipeline(EarlyUploads, HostGradients):
             self.squared_norms[index] = squared_norm(grad)
 
     # -- the step ------------------------------------------------------------------------------------------
-    def update(self, grads: list[torch.Tensor], clip_factor: float, norms: list | None = None) -> float:
+    def update(self, grads: list[torch.Tensor], clip_factor: float, norms: list | None = None) -> Update:
         """The step's part (the updater's call, see implementation/updaters.py): Adam over every host unit
         not yet updated during backward, each unit's upload overlapping the next unit's Adam; then wait. The
         gradients are the fp32 partition this pipeline filled. `norms` gets each unit's squared norm as its
-        Adam summed it. Returns the seconds Adam ran on the host."""
+        Adam summed it. Returns the seconds Adam ran on the host; the units it rounds, it also uploads
+        (published_units), so publish() is told nothing was rounded for it."""
         self.clip_factor = clip_factor
         missed = [i for i in range(self.states.host_units) if i not in self.updated]
         if missed:  # a unit no gradient reached (unused this step) reads zeros, as in the serial step
@@ -242,7 +244,7 @@ class OffloadPipeline(EarlyUploads, HostGradients):
         self.wait()
         if norms is not None:
             norms += [self.squared_norms[i] for i in range(self.states.host_units)]
-        return self.adam_seconds
+        return Update(self.adam_seconds)
 
     def _update_unit(self, index: int, grad: torch.Tensor | None = None) -> Event:
         """Queue Adam on unit `index` behind what the host queue already holds, then its weights' upload;

@@ -3,7 +3,7 @@
     stage 0                              module 1's MixedPrecisionStates: everything on the device, replicated
     stages 1-3                           module 2's ShardedStates: sharded across ranks, all on the device
     stages 1-3 + offload_optimizer       module 3's OffloadedStates: the fp32 optimizer half on the host
-      ... with ratio < 1                 module 4's PartialOffloadStates: some of the units kept on the device
+      ... with ratio < 1                 module 4's host_unit_count: only that many units on the host
       ... with device "nvme"             module 5's NVMeStates: that half in files, a few sub-groups in memory
 
 Each answers the same questions (reduce the gradients, report an overflow, give the fp32 gradients, publish
@@ -22,7 +22,7 @@ from ..practice.nvme import NVMeStates
 from ..principles.comm import Comm
 from ..principles.partition import build_units
 from ..principles.zero import ShardedStates
-from ..tuning.partial import PartialOffloadStates
+from ..tuning.partial import host_unit_count
 
 
 def build_states(
@@ -36,11 +36,12 @@ def build_states(
         return MixedPrecisionStates(params, accel, config.precision, comm, norm_pieces=pieces)
     if not zero.offload_optimizer.enabled:
         return ShardedStates(model, accel, config.precision, zero.stage, comm, zero)
-    tier = OffloadedStates
+    tier, placement = OffloadedStates, {}
     if zero.offload_optimizer.device == "nvme":  # module 5
         tier = NVMeStates
-    elif zero.offload_optimizer.ratio < 1.0:  # module 4
-        tier = PartialOffloadStates
+    elif zero.offload_optimizer.ratio < 1.0:  # module 4: the leading units closest to the ratio on the host
+        sizes = [unit.shard_numel for unit in build_units(model, comm.world_size, comm.rank)]
+        placement["host_units"] = host_unit_count(sizes, zero.offload_optimizer.ratio)
     return tier(
         model,
         accel,
@@ -50,4 +51,5 @@ def build_states(
         zero,
         loss_scale=loss_scale,
         pipelined=config.zero_offload.overlap_offload,
+        **placement,
     )

@@ -112,7 +112,7 @@ class Updating:
         self.norm_in_adam = all(u.norm_in_adam for u in self.updaters)
 
     def _updaters(self, config: Config, timeline, norm_in_adam: bool) -> list:
-        """Each has update(grads, clip_factor, norms) -> seconds and norm_in_adam."""
+        """Each has update(grads, clip_factor, norms) -> Update (implementation/updaters.py) and norm_in_adam."""
         states, split, updaters = self.states, self.optimizers.split, []
         if self.pipeline is not None:  # module 5: overlapped with backward and the copies
             updaters.append(self.pipeline)
@@ -177,14 +177,17 @@ class Updating:
                 how = "the overlapped pipeline runs Adam on each unit during backward (no clipping, no fp16)"
                 raise self.skip_guard.poisoned(step + 1, record["grad_norm"], how)
             return "non-finite gradient norm"
-        seconds = [updater.update(grads, clip_factor, norms) for updater in self.updaters]
-        record["adam_seconds"] = seconds[0] if seconds else 0.0  # the host's, when offloaded
+        updates = [updater.update(grads, clip_factor, norms) for updater in self.updaters]
+        record["adam_seconds"] = updates[0].seconds if updates else 0.0  # the host's, when offloaded
         if norms is not None:
             record["grad_norm"] = global_norm(norms, self.comm.sum)
             if not math.isfinite(record["grad_norm"]):
                 how = "without gradient_clipping the C Adam sums the norm in its own pass over the gradients"
                 raise self.skip_guard.poisoned(step + 1, record["grad_norm"], how)
-        self.states.publish()
+        if any(update.rounded for update in updates):  # module 4's one pass rounded into the staging buffers
+            self.states.publish(rounded=True)
+        else:
+            self.states.publish()
         return None
 
     def _delayed_step(self, step: int, record: dict, skip: str | None) -> str | None:

@@ -17,21 +17,20 @@ from .transfers import host_buffer
 
 class HostBufferStates(ShardedStates):
     """ShardedStates with this rank's optimizer partition allocated on the host: the placement of every buffer,
-    and its accounting. OffloadedStates sets `offload_param`, `pipelined`, the pin flags and `pipeline` (module
-    5) before these run."""
+    and its accounting. OffloadedStates sets `offload_param`, `pipelined`, the pin flags, `host_units` and
+    `pipeline` (module 5) before these run."""
 
     # -- where each buffer lives -------------------------------------------------------------------------------
     def _host(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         return host_buffer(self.accel, numel, dtype, pin=pin)
 
-    def _host_unit_count(self, shard_sizes: list[int]) -> int:
-        """How many leading units keep their optimizer on the host: all of them (module 4 keeps fewer)."""
-        return len(shard_sizes)
-
     def _placement(self) -> tuple[list[int], list[int]]:
         """Shard sizes of the units whose optimizer is on the host, and of those whose optimizer is not."""
         sizes = [u.shard_numel for u in self.units]
-        self.host_units = self._host_unit_count(sizes)
+        if self.host_units is None:  # no partial offload asked for: every unit's optimizer on the host
+            self.host_units = len(sizes)
+        if not 0 <= self.host_units <= len(sizes):
+            raise ValueError(f"host_units must be 0 to {len(sizes)} (the units), got {self.host_units}")
         self.host_fraction = sum(sizes[: self.host_units]) / sum(sizes)
         return sizes[: self.host_units], sizes[self.host_units :]
 

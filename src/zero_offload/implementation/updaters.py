@@ -1,7 +1,7 @@
 """Updaters: *when* and *where* the optimizer runs, for states that say where the model states live.
 
 The engine's step is the same for every configuration: reduce, check overflow, find the clip factor, then
-`updater.update(grads, clip_factor, norms)`, then `states.publish()`. What differs is the updater:
+`updater.update(grads, clip_factor, norms)`, then `states.publish(...)`. What differs is the updater:
 
   SerialUpdater       Adam over the whole partition at the step: on the device (stages 0-3), or on the host
                       after the copies (module 3's offload), on the host's own cores if the config pins them
@@ -12,16 +12,27 @@ The engine's step is the same for every configuration: reduce, check overflow, f
   the delayed update  module 5 (practice/dpu.py): any of the host's updates, one step late
 
 `norms`, when the engine passes a list, asks the updater to append each unit's squared gradient norm as its
-Adam sums it (`norm_in_adam`: nothing to clip, so nothing needs the norm before Adam runs).
+Adam sums it (`norm_in_adam`: nothing to clip, so nothing needs the norm before Adam runs). Each returns an
+`Update`: the seconds its Adam ran, and whether that Adam already rounded the weights publish() uploads.
 """
 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
 from .offload import HostAdam
+
+
+class Update(NamedTuple):
+    """What one updater's update() did, for the engine's report and for publish()."""
+
+    seconds: float  # how long its Adam ran (the report's adam_seconds is the host's)
+    # Its Adam wrote the rounded fp16/bf16 weights into the staging buffers (module 4's one pass):
+    # publish(rounded=True) uploads them without rounding again.
+    rounded: bool = False
 
 
 class SerialUpdater:
@@ -32,14 +43,20 @@ class SerialUpdater:
         self.states, self.adam, self.units = states, adam, units
         self.timeline, self.queue, self.norm_in_adam = timeline, queue, norm_in_adam
 
-    def update(self, grads: list[torch.Tensor], clip_factor: float, norms: list | None = None) -> float:
-        """Adam over the units with their fp32 gradients; the seconds it took."""
+    def update(self, grads: list[torch.Tensor], clip_factor: float, norms: list | None = None) -> Update:
+        """Adam over the units with their fp32 gradients; the seconds it took, and whether it rounded."""
         start = time.perf_counter()
         mine = grads[: self.units]
+        answers = []  # the queue's events carry no value: the Adam's answer comes back through this list
+
+        def adam() -> None:
+            answers.append(self.adam.step(self.states, mine, clip_factor, norms=norms))
+
         if self.queue is not None:  # the device waits meanwhile
-            self.queue.submit(self.adam.step, self.states, mine, clip_factor, norms=norms).wait()
+            self.queue.submit(adam).wait()
         else:
-            self.adam.step(self.states, mine, clip_factor, norms=norms)
+            adam()
+        rounded = answers[0]
         end = time.perf_counter()
         self.timeline.add("Adam", start, end)
-        return end - start
+        return Update(end - start, rounded)

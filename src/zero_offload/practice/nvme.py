@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from ..implementation.offload import OffloadedStates
+from ..implementation.updaters import Update
 from ..principles.zero import fill_shard
 from .nvme_files import STATES, NVMeError, NVMePathError, SwapFiles, os_error
 
@@ -226,7 +227,6 @@ class NVMeStates(OffloadedStates):
                 ) from None
             raise
         self.files.commit(written)
-        self.weights_rounded = True
 
     def _drain(self, reads, writes) -> tuple[list, Exception | None]:
         """Wait for every read and write this step started; their files, spans and first error."""
@@ -255,9 +255,10 @@ class NVMeStates(OffloadedStates):
                 self._round(group)
                 self.files.commit(self._write_group(g))
 
-    def publish(self) -> None:
-        self.weights_rounded = True  # the staging buffers always hold the rounded masters
-        super().publish()
+    def publish(self, *, rounded: bool = True) -> None:
+        # The staging buffers always hold the rounded masters (step() and each_unit() round each sub-group
+        # before it leaves its slot): whatever the caller was told, they only need the upload.
+        super().publish(rounded=True)
 
     # -- where the bytes are ------------------------------------------------------------------------------
     def record(self, ledger) -> None:
@@ -281,9 +282,9 @@ class NVMeUpdater:
     def __init__(self, states: NVMeStates, adam, *, timeline):
         self.states, self.adam, self.timeline = states, adam, timeline
 
-    def update(self, grads: list[torch.Tensor], clip_factor: float, norms=None) -> float:
+    def update(self, grads: list[torch.Tensor], clip_factor: float, norms=None) -> Update:
         start = time.perf_counter()
         self.states.step(self.adam, grads, clip_factor)
         end = time.perf_counter()
         self.timeline.add("Adam", start, end)
-        return end - start
+        return Update(end - start, rounded=True)  # each sub-group was rounded before it left its slot

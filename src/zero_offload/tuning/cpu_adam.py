@@ -213,12 +213,13 @@ def one_pass_update(
 
 def one_pass_offload_step(
     states, optimizer: CPUAdam, grads: list[torch.Tensor], clip_factor: float, units=None, *, norms=None
-) -> None:
+) -> bool:
     """The offloaded step of module 3 in one pass per unit: Adam on the host partition and, in the same pass,
     the weights written into the staging buffers publish() uploads (no separate cast pass).
 
     `units` (indices) limits it to some units: the NVMe tier steps one sub-group at a time. `norms` (a list):
-    each unit's squared gradient norm is appended to it, summed in the same pass."""
+    each unit's squared gradient norm is appended to it, summed in the same pass. Returns True: the staging
+    buffers hold the rounded weights, for publish(rounded=True)."""
     # The optimizer's parameters are the host's units, which come first (tuning/partial.py).
     masters = optimizer.param_groups[0]["params"]
     if len(grads) != len(masters):
@@ -231,7 +232,7 @@ def one_pass_offload_step(
         )
         if norms is not None:
             norms.append(squares)
-    states.weights_rounded = True
+    return True
 
 
 class OnePassAdam(HostAdam):
@@ -242,8 +243,8 @@ class OnePassAdam(HostAdam):
     reads_low_precision_grads = True
     sums_norm = True
 
-    def step(self, states, grads: list[torch.Tensor], clip_factor: float, units=None, norms=None) -> None:
-        one_pass_offload_step(states, self.optimizer, grads, clip_factor, units, norms=norms)
+    def step(self, states, grads: list[torch.Tensor], clip_factor: float, units=None, norms=None) -> bool:
+        return one_pass_offload_step(states, self.optimizer, grads, clip_factor, units, norms=norms)
 
     def update(self, master, grad, out, clip_factor: float, *, norm=False) -> float | None:
         return one_pass_update(self.optimizer, master, grad, out, clip_factor, norm=norm)

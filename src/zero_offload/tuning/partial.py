@@ -18,11 +18,15 @@ import math
 import torch
 
 from ..basics.memory import ModelStateBytes, estimate_model_states
-from ..implementation.offload import OffloadedStates, adam_step
+from ..implementation.offload import adam_step
+from ..implementation.updaters import Update
 
 
 def host_unit_count(shard_sizes: list[int], ratio: float) -> int:
-    """How many leading units keep their optimizer states on the host for offload `ratio` (0 < ratio <= 1)."""
+    """How many leading units keep their optimizer states on the host for offload `ratio` (0 < ratio <= 1).
+
+    The engine gives the count to module 3's OffloadedStates (its `host_units`), which keeps those units'
+    optimizer states on the host and the others, updated there, on the device."""
     target = ratio * sum(shard_sizes)
     best, best_gap, running = 0, target, 0
     for count, size in enumerate(shard_sizes, start=1):
@@ -33,18 +37,6 @@ def host_unit_count(shard_sizes: list[int], ratio: float) -> int:
     return best
 
 
-class PartialOffloadStates(OffloadedStates):
-    """Module 3's offloaded states with only the leading units closest to `offload_optimizer.ratio` of this
-    rank's optimizer states on the host; the others are kept, and updated, on the device."""
-
-    def __init__(self, model, accel, precision, stage, comm, zero, **kwargs):
-        self.ratio = zero.offload_optimizer.ratio  # read while the buffers are placed, inside __init__
-        super().__init__(model, accel, precision, stage, comm, zero, **kwargs)
-
-    def _host_unit_count(self, shard_sizes: list[int]) -> int:
-        return host_unit_count(shard_sizes, self.ratio)
-
-
 class DevicePartUpdater:
     """The units a partial offload keeps on the device, updated there by `optimizer`, after the host's units."""
 
@@ -53,11 +45,11 @@ class DevicePartUpdater:
     def __init__(self, states, optimizer: torch.optim.Optimizer, first_unit: int, *, timeline):
         self.states, self.optimizer, self.first, self.timeline = states, optimizer, first_unit, timeline
 
-    def update(self, grads: list[torch.Tensor], clip_factor: float, norms=None) -> float:
+    def update(self, grads: list[torch.Tensor], clip_factor: float, norms=None) -> Update:
         with self.timeline.span("Adam"):
             masters = self.states.master_params[self.first :]
             adam_step(self.optimizer, masters, grads[self.first :], clip_factor)
-        return 0.0  # what the report calls Adam's seconds is the host's
+        return Update(0.0)  # what the report calls Adam's seconds is the host's; publish() rounds these units
 
 
 def estimate_partial_offload(
