@@ -62,10 +62,14 @@ class Engine:
         self._closed = False
         # zo.initialize joined the group for this engine: close() destroys it.
         self._owns_process_group = False
-        self.config, self.model, self.comm = config, model, Comm()
+        self.config, self.model = config, model
         self.accelerator = accelerator or get_accelerator(config.zero_offload.device_memory)
         # An accelerator may serve several engines in turn (gpu-check reuses one): each reports its own peak.
         self.accelerator.reset_peak()
+        # Module 5: when each stage ran (practice/timeline.py). The comm records its collectives in it, and the
+        # offloaded states' transfers, which take it from the comm, record their copies.
+        self._timeline = Timeline(accelerator=self.accelerator)
+        self.comm = Comm(timeline=self._timeline)
         if self.comm.world_size != config.world_size:
             raise ValueError(
                 f"the config was loaded for {config.world_size} rank(s) but {self.comm.world_size} are running; "
@@ -96,11 +100,6 @@ class Engine:
             install_upcast_hooks(model, self.accelerator)
         if config.activation_checkpointing.enabled:
             checkpoint_blocks(model, self.accelerator, self.states.dtype)
-        # Module 5: when each stage ran (practice/timeline.py); the collectives and copies record themselves.
-        self._timeline = Timeline(accelerator=self.accelerator)
-        self.comm.timeline = self._timeline
-        if offloaded:
-            self.states.transfers.timeline = self._timeline
         # Counts the skips in a row nothing cures and stops the run at zero_offload.max_skipped_steps.
         self.skip_guard = SkipGuard(config.zero_offload.max_skipped_steps, fp16=config.fp16.enabled)
         # Who runs Adam, when and on which cores (updating.py): the updaters, module 5's pipeline and delayed update.

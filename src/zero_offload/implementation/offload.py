@@ -181,7 +181,7 @@ class OffloadedStates(HostBufferStates):
         loss_scale: Callable[[], float],
         pipelined: bool = False,
     ):
-        self.transfers = Transfers(accel)
+        self.transfers = Transfers(accel, timeline=comm.timeline)
         # Module 5's pipeline stages gradients through slots of its own: no full-size staging buffer here.
         self.pipelined = pipelined
         self.loss_scale = loss_scale  # read as each shard arrives: gradients reach the host unscaled
