@@ -242,7 +242,12 @@ class Engine:
     def load_checkpoint(self, path) -> None:
         """Resume from `path` (the save its `latest` names), saved by any world size: shards are re-cut for this one."""
         self.synchronize()  # an update in flight must not land on top of the loaded states
-        load_checkpoint(self, path)
+        state = load_checkpoint(self, path)
+        if state.scaler_state is not None:
+            self.scaler.load_state_dict(state.scaler_state)
+        self.global_steps, self.micro_steps = state.global_steps, state.micro_steps
+        self.skipped_steps, self.history = state.skipped_steps, state.history
+        self.skip_guard.resume(state.skipped_in_a_row)
         self.skip_guard.last_checkpoint = (str(path), self.global_steps)
 
     # -- the full weights outside training (stage 3 holds only shards between forwards) ----------------------------
