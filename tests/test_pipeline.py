@@ -262,6 +262,16 @@ def test_cores_that_overlap_or_do_not_exist_are_config_errors():
         zo.config.load_config(_config(2, overlap=True, ext={"cores": {"host": [4096]}}))
 
 
+def test_the_host_cores_size_the_c_adams_threads_unless_the_config_gives_them():
+    from zero_offload.engine.optimizers import host_adam_threads
+
+    on_core_0 = {"cores": {"host": [0]}}
+    assert host_adam_threads(zo.config.load_config(_config(2, overlap=True, ext=on_core_0))) == 1
+    given = {**on_core_0, "cpu_adam": {"impl": "simd", "threads": 2}}
+    assert host_adam_threads(zo.config.load_config(_config(2, overlap=True, ext=given))) == 2
+    assert host_adam_threads(zo.config.load_config(_config(2, overlap=True))) is None
+
+
 # -- the delayed parameter update ---------------------------------------------------------------------------
 def _stale_reference(steps, start):
     """Plain torch: gradients of step t are taken on the weights the delayed engine shows at step t.

@@ -193,8 +193,7 @@ def test_copies_are_timed_on_the_stream_they_run_on(fake_cuda):
     device, clock = fake_cuda
     timeline = _cuda_timeline(device, clock)
     accel = EmulatedAccelerator()
-    transfers = Transfers(accel)
-    transfers.timeline = timeline
+    transfers = Transfers(accel, timeline=timeline)
     side = _FakeStream("side", [20.0, 70.0])
     device.current = side  # as inside `torch.cuda.stream(side)`, where module 5's copies run
     on_device = accel.zeros(8, torch.float16)
@@ -225,8 +224,7 @@ def test_a_collective_ends_when_it_is_waited_for(fake_cuda):
     with timeline.span("backward"):  # backward goes on while the reduce-scatter runs
         pass
     assert handle.wait() == "done"
-    comm = Comm()  # one process: the collective is a local copy, still device work
-    comm.timeline = timeline
+    comm = Comm(timeline=timeline)  # one process: the collective is a local copy, still device work
     comm.reduce_scatter(torch.empty(4), torch.ones(4))
     backward, reduce, local = timeline.spans
     _approx(backward, "backward", 0.25 + 0.020, 0.25 + 0.030)

@@ -27,7 +27,7 @@ from ..implementation.checkpoint import load_checkpoint, save_checkpoint
 from ..implementation.schedulers import build_scheduler
 from ..practice.timeline import Span, Timeline, gather_timeline
 from ..principles.comm import Comm
-from ..principles.process_group import join_launcher_group, leave_launcher_group
+from ..principles.process_group import JoinedGroup, hold_launcher_group
 from ..principles.recompute import checkpoint_blocks
 from ..tuning.partial import estimate_for_config
 from .divergence import SkipGuard
@@ -57,15 +57,26 @@ def _close_open_engines() -> None:
 class Engine:
     """Trains `model` as the config says. Use it as `loss_fn(engine(x), y)`, `engine.backward(loss)`, `engine.step()`."""
 
-    def __init__(self, model: torch.nn.Module, config: Config, *, accelerator: Accelerator | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: Config,
+        *,
+        accelerator: Accelerator | None = None,
+        joined_group: JoinedGroup | None = None,
+    ):
         check_supported(config)
         self._closed = False
-        # zo.initialize joined the group for this engine: close() destroys it.
-        self._owns_process_group = False
-        self.config, self.model, self.comm = config, model, Comm()
+        # The group zo.initialize joined for the script, held while this engine is open: close() lets go of it.
+        self._joined_group = joined_group
+        self.config, self.model = config, model
         self.accelerator = accelerator or get_accelerator(config.zero_offload.device_memory)
         # An accelerator may serve several engines in turn (gpu-check reuses one): each reports its own peak.
         self.accelerator.reset_peak()
+        # Module 5: when each stage ran (practice/timeline.py). The comm records its collectives in it, and the
+        # offloaded states' transfers, which take it from the comm, record their copies.
+        self._timeline = Timeline(accelerator=self.accelerator)
+        self.comm = Comm(timeline=self._timeline)
         if self.comm.world_size != config.world_size:
             raise ValueError(
                 f"the config was loaded for {config.world_size} rank(s) but {self.comm.world_size} are running; "
@@ -96,11 +107,6 @@ class Engine:
             install_upcast_hooks(model, self.accelerator)
         if config.activation_checkpointing.enabled:
             checkpoint_blocks(model, self.accelerator, self.states.dtype)
-        # Module 5: when each stage ran (practice/timeline.py); the collectives and copies record themselves.
-        self._timeline = Timeline(accelerator=self.accelerator)
-        self.comm.timeline = self._timeline
-        if offloaded:
-            self.states.transfers.timeline = self._timeline
         # Counts the skips in a row nothing cures and stops the run at zero_offload.max_skipped_steps.
         self.skip_guard = SkipGuard(config.zero_offload.max_skipped_steps, fp16=config.fp16.enabled)
         # Who runs Adam, when and on which cores (updating.py): the updaters, module 5's pipeline and delayed update.
@@ -220,12 +226,8 @@ class Engine:
         finally:
             self.updating.close()
             self.states.close()
-            if self._owns_process_group:  # the group goes with the last engine open on it
-                heir = next(iter(_open_engines), None)
-                if heir is not None:
-                    heir._owns_process_group = True
-                else:
-                    leave_launcher_group()
+            if self._joined_group is not None:  # the group goes with the last engine that holds it
+                self._joined_group.release()
 
     # -- checkpoints (implementation/checkpoint.py) ------------------------------------------------------------------
     def save_checkpoint(self, path, tag: str | None = None) -> None:
@@ -240,7 +242,12 @@ class Engine:
     def load_checkpoint(self, path) -> None:
         """Resume from `path` (the save its `latest` names), saved by any world size: shards are re-cut for this one."""
         self.synchronize()  # an update in flight must not land on top of the loaded states
-        load_checkpoint(self, path)
+        state = load_checkpoint(self, path)
+        if state.scaler_state is not None:
+            self.scaler.load_state_dict(state.scaler_state)
+        self.global_steps, self.micro_steps = state.global_steps, state.micro_steps
+        self.skipped_steps, self.history = state.skipped_steps, state.history
+        self.skip_guard.resume(state.skipped_in_a_row)
         self.skip_guard.last_checkpoint = (str(path), self.global_steps)
 
     # -- the full weights outside training (stage 3 holds only shards between forwards) ----------------------------
@@ -291,15 +298,19 @@ def initialize(model: torch.nn.Module, config, *, accelerator: Accelerator | Non
     """Wrap `model` in an engine configured by `config` (a dict, a path to a DeepSpeed-style JSON, or a Config).
 
     Under torchrun, a script that has not joined the process group is joined to it here, with the backend of
-    the accelerator (gloo for the emulated device, NCCL for CUDA); the engine then owns that group."""
+    the accelerator (gloo for the emulated device, NCCL for CUDA); the engine then holds that group."""
     backend = None if accelerator is None else ("nccl" if accelerator.device.type == "cuda" else "gloo")
-    created_group = join_launcher_group(backend)
+    joined_group = hold_launcher_group(backend)
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     try:
-        engine = Engine(model, load_config(config, world_size=world_size), accelerator=accelerator)
+        return Engine(
+            model,
+            load_config(config, world_size=world_size),
+            accelerator=accelerator,
+            joined_group=joined_group,
+        )
     except BaseException:
-        if created_group:  # nobody else will use the group this call made: leave no gloo threads behind
-            leave_launcher_group()
+        # No engine holds the group for this call: if nobody else does, leave no gloo threads behind.
+        if joined_group is not None:
+            joined_group.release()
         raise
-    engine._owns_process_group = created_group
-    return engine

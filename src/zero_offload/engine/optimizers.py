@@ -47,6 +47,15 @@ def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: l
     return optimizer
 
 
+def host_adam_threads(config: Config) -> int | None:
+    """The C Adam's threads: the config's zero_offload.cpu_adam.threads; else, when module 5 gives the host
+    cores of its own (zero_offload.cores.host), one per core; else None (cpu_adam.py's default)."""
+    cores, threads = config.zero_offload.cores, config.zero_offload.cpu_adam.threads
+    if threads is None and cores.host:
+        return len(cores.host)
+    return threads
+
+
 def simd_optimizer(config: Config, params: list, kwargs: dict):
     """The C CPU Adam (module 4), or None, with one warning, where no C compiler can build it."""
     opt, adam = config.optimizer, config.zero_offload.cpu_adam
@@ -55,7 +64,7 @@ def simd_optimizer(config: Config, params: list, kwargs: dict):
             params,
             adamw=opt.adamw,
             bias_correction=opt.bias_correction,
-            threads=adam.threads,
+            threads=host_adam_threads(config),
             variant="auto" if adam.variant == "widest" else adam.variant,
             **kwargs,
         )

@@ -25,7 +25,7 @@ from ..implementation.updaters import SerialUpdater
 from ..practice.dpu import DelayedUpdate, DelayedUpdater
 from ..practice.nvme import NVMeUpdater
 from ..practice.pipeline import HostQueue, OffloadPipeline
-from ..tuning.cpu_adam import CPUAdam, host_adam
+from ..tuning.cpu_adam import host_adam
 from ..tuning.partial import DevicePartUpdater
 
 
@@ -49,15 +49,13 @@ def keeps_gradients(config: Config, host_adam) -> bool:
     return dpu and reads and config.gradient_accumulation_steps == 1 and not config.fp16.enabled
 
 
-def pin_cores(config: Config, host_optimizer) -> None:
-    """Module 5: this thread (the emulated device's compute) on `cores.device`; the C Adam's threads sized to
-    `cores.host`, where the host queue runs it."""
-    cores, threads = config.zero_offload.cores, config.zero_offload.cpu_adam.threads
+def pin_cores(config: Config) -> None:
+    """Module 5: this thread (the emulated device's compute) on `cores.device`. The C Adam's threads were sized
+    to `cores.host`, where the host queue runs it, when it was built (optimizers.py)."""
+    cores = config.zero_offload.cores
     if cores.device:
         os.sched_setaffinity(0, cores.device)
         torch.set_num_threads(len(cores.device))
-    if cores.host and isinstance(host_optimizer, CPUAdam) and threads is None:
-        host_optimizer.threads = len(cores.host)
 
 
 class Updating:
@@ -75,7 +73,7 @@ class Updating:
         ext, split = config.zero_offload, optimizers.split
         whole = split == len(states.master_params)
         norm_in_adam = wants_norm_in_adam(config, self.host_adam, whole_partition=whole)
-        pin_cores(config, optimizers.host)
+        pin_cores(config)
         self.pipeline = self.delayed = self.host_queue = None
         if ext.overlap_offload or ext.delayed_param_update.enabled or ext.cores.host:
             # The host's work runs on a queue of its own; with cores.host, on those cores only.

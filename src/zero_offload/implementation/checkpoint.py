@@ -44,6 +44,7 @@ import math
 import os
 import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -181,8 +182,24 @@ def save_checkpoint(engine, path, tag: str | None = None) -> None:
 
 
 # -- loading -------------------------------------------------------------------------------------------------
-def load_checkpoint(engine, path) -> None:
-    """Resume `engine` from checkpoint `path`, saved at any world size and stage: its pieces are re-cut here.
+@dataclass(frozen=True)
+class TrainingState:
+    """Where the training loop stood when the checkpoint was saved: load_checkpoint returns it, and the engine
+    takes it up (its counters, its loss scaler, its skip guard), so that nothing here writes the engine's fields."""
+
+    global_steps: int
+    micro_steps: int
+    skipped_steps: int
+    skipped_in_a_row: int  # engine/divergence.py stops a run at too many
+    history: list
+    scaler_state: (
+        dict | None
+    )  # None: the checkpoint's loss scaler is of another kind, the scale starts afresh
+
+
+def load_checkpoint(engine, path) -> TrainingState:
+    """Resume `engine`'s states from checkpoint `path`, saved at any world size and stage: its pieces are re-cut
+    here. Returns the training loop's state, for the engine to take up.
 
     Every rank reads every rank file and rebuilds whole fp32 parameters (and m, v) before taking its own
     shard: host memory for three fp32 copies of the model, but the resharding stays obvious.
@@ -197,22 +214,25 @@ def load_checkpoint(engine, path) -> None:
             if not isinstance(tensor, str):
                 tensor.copy_(saved["extras"][key])
     engine.zero_grad()  # gradients of an unfinished accumulation belong to the run we leave
-    _load_scaler(engine, saved)
     _load_scheduler(engine, saved)
-    engine.global_steps = saved["global_steps"]
-    engine.micro_steps = saved["micro_steps"]
-    engine.skipped_steps = saved["skipped_steps"]
-    # Checkpoints of earlier versions have neither: the count of skips in a row and the history start afresh.
-    engine.skip_guard.resume(saved.get("skipped_in_a_row", 0))
-    engine.history = list(saved.get("history", []))
+    state = TrainingState(
+        global_steps=saved["global_steps"],
+        micro_steps=saved["micro_steps"],
+        skipped_steps=saved["skipped_steps"],
+        # Checkpoints of earlier versions have neither: the count of skips in a row and the history start afresh.
+        skipped_in_a_row=saved.get("skipped_in_a_row", 0),
+        history=list(saved.get("history", [])),
+        scaler_state=_scaler_state(engine, saved),
+    )
     # Same world size: each rank continues its own random stream. Otherwise ranks beyond the old ones take
     # rank 0's; the streams then differ from the old run's anyway.
     rng = files[engine.comm.rank if engine.comm.rank < len(files) else 0]["rng"]
     torch.set_rng_state(rng["cpu"])
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-    _restore_weights(engine, full, saved)
+    _restore_weights(engine, full, saved, state.global_steps)
     engine.accelerator.fence_copies()  # the weights landed before the caller can write a parameter itself
+    return state
 
 
 def _write_states(engine, full: dict, optimizer_step: float, master: str = "master") -> None:
@@ -230,7 +250,7 @@ def _write_states(engine, full: dict, optimizer_step: float, master: str = "mast
                     tensor[offset : offset + numel].copy_(full[name][source][start : start + numel])
 
 
-def _restore_weights(engine, full: dict, saved: dict) -> None:
+def _restore_weights(engine, full: dict, saved: dict, global_steps: int) -> None:
     """The masters and moments, and the weights forward reads, as the run that saved had them.
 
     Most checkpoints hold weights that were published: forward reads them rounded from the masters (stages
@@ -239,7 +259,7 @@ def _restore_weights(engine, full: dict, saved: dict) -> None:
     and the next step publishes them, as in the run that saved. If this engine runs no delayed update at
     that step (another config), the landed update is published here, with its lr-scheduler step."""
     pending = saved.get("publish_pending", False)
-    held = pending and engine.updating.hold_landed(engine.global_steps)
+    held = pending and engine.updating.hold_landed(global_steps)
     if held:
         _write_states(engine, full, saved["optimizer_step"], master=PUBLISHED)
         engine.states.publish()
@@ -253,23 +273,24 @@ def _restore_weights(engine, full: dict, saved: dict) -> None:
             engine.lr_scheduler.step()
         warnings.warn(
             f"the checkpoint was saved under the delayed update (delayed_param_update) with its last update "
-            f"landed but not yet published; this engine does not delay step {engine.global_steps}, so that "
+            f"landed but not yet published; this engine does not delay step {global_steps}, so that "
             "update is published now: forward reads it one step earlier than the run that saved would have, "
             "and the two runs part from here",
             stacklevel=4,
         )
 
 
-def _load_scaler(engine, saved: dict) -> None:
+def _scaler_state(engine, saved: dict) -> dict | None:
+    """The saved loss scaler's state, or None (with a warning) if it is not of the kind `engine` uses."""
     kind = type(engine.scaler).__name__
     if saved["scaler"]["kind"] == kind:
-        engine.scaler.load_state_dict(saved["scaler"]["state"])
-    else:
-        warnings.warn(
-            f"the checkpoint's loss scaler is a {saved['scaler']['kind']} ({saved['precision']}), this "
-            f"engine's a {kind} ({engine.config.precision}): the loss scale starts afresh",
-            stacklevel=4,
-        )
+        return saved["scaler"]["state"]
+    warnings.warn(
+        f"the checkpoint's loss scaler is a {saved['scaler']['kind']} ({saved['precision']}), this "
+        f"engine's a {kind} ({engine.config.precision}): the loss scale starts afresh",
+        stacklevel=4,
+    )
+    return None
 
 
 def _load_scheduler(engine, saved: dict) -> None:

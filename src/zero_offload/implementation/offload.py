@@ -186,7 +186,7 @@ class OffloadedStates(HostBufferStates):
         pipelined: bool = False,
         host_units: int | None = None,
     ):
-        self.transfers = Transfers(accel)
+        self.transfers = Transfers(accel, timeline=comm.timeline)
         self.host_units = host_units  # None: every unit (the buffers are placed from it, inside __init__)
         # Module 5's pipeline stages gradients through slots of its own: no full-size staging buffer here.
         self.pipelined = pipelined

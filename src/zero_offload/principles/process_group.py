@@ -89,6 +89,41 @@ def leave_launcher_group() -> None:
         dist.destroy_process_group()
 
 
+class JoinedGroup:
+    """The group join_launcher_group made, shared by the engines that train on it: each engine holds it while
+    it is open, and the last one to let go destroys it. A group the script made itself has no such owner."""
+
+    def __init__(self):
+        # Only a count: a reference to the group itself would keep gloo's threads alive after it is destroyed.
+        self.holders = 0
+
+    def hold(self) -> JoinedGroup:
+        self.holders += 1
+        return self
+
+    def release(self) -> None:
+        global _joined
+        self.holders -= 1
+        if self.holders == 0:
+            _joined = None
+            leave_launcher_group()
+
+
+# The group join_launcher_group made, while an engine holds it.
+_joined: JoinedGroup | None = None
+
+
+def hold_launcher_group(backend: str | None = None) -> JoinedGroup | None:
+    """Join the launcher's group as join_launcher_group does and hold it: the caller releases it when done.
+    None when there is nothing to hold: one process, or a group the script made (the script destroys that)."""
+    global _joined
+    if join_launcher_group(backend):
+        _joined = JoinedGroup()
+    elif _joined is None or not dist.is_initialized():
+        return None
+    return _joined.hold()
+
+
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     if value is None or value.strip() == "":
