@@ -92,12 +92,8 @@ class HostBufferStates(ShardedStates):
     def host_staging_bytes(self) -> int:
         """Host memory beyond the model states: the fp16 buffers gradients and weights pass through."""
         staging = list(self.grad_staging)
-        if self.pipeline is not None:  # module 5's staging slots
-            staging += self.pipeline.grad_slots.buffers
-            staging += self.pipeline.weight_slots.buffers if self.pipeline.weight_slots else []
-            staging += [
-                t for area in self.pipeline.kept or [] for t in area
-            ]  # the delayed update's two areas
+        if self.pipeline is not None:  # module 5's staging slots and the delayed update's two areas
+            staging += self.pipeline.staging_buffers()
         if not self.offload_param and self.dtype != torch.float32:
             staging += self.param_staging
         # Per storage, as the allocator holds it (pinned blocks are rounded up): views share their buffer.
