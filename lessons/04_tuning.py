@@ -46,7 +46,7 @@ from zero_offload.basics import estimate_model_states
 from zero_offload.cli import main as zo_cli
 from zero_offload.cli.bench import adam as bench
 from zero_offload.lessons import tuning_kernel, tuning_partial, tuning_plots, tuning_threads
-from zero_offload.tuning import adam_update, advisor, bandwidth, build, perfmodel, plan_report
+from zero_offload.tuning import advisor, bandwidth, build, cpu_adam_update, perfmodel, plan_report
 from zero_offload.tuning.cpu_adam import memory_floor, supported_variants
 from zero_offload.tuning.cpuinfo import cpu_model
 from zero_offload.units import format_gb
@@ -254,7 +254,7 @@ print(f"\nties: fp16 {ties.tolist()} -> {ties.half().tolist()}; "
 n = 1024
 for variant in ("avx512", "avx2"):
     try:
-        adam_update(torch.zeros(n), torch.ones(n), torch.zeros(n), torch.zeros(n), step=1, lr=1e-3, variant=variant)
+        cpu_adam_update(torch.zeros(n), torch.ones(n), torch.zeros(n), torch.zeros(n), step=1, lr=1e-3, variant=variant)
         print(f"variant {variant!r}: ran")
     except ValueError as err:
         print(f"variant {variant!r}: ValueError: {err}")
@@ -360,7 +360,7 @@ show(tuning_plots.threads(rates, THREAD_KINDS, MAX_THREADS, CORES, THREAD_N), "a
 # %%
 for t in (1, 2):
     per_call = tuning_threads.call_overhead_us(t, n=1024)  # fp32 in, fp16 out, 200 calls a timing
-    print(f"adam_update on 1,024 parameters, {t} thread(s): {per_call:.0f} us a call")
+    print(f"cpu_adam_update on 1,024 parameters, {t} thread(s): {per_call:.0f} us a call")
 
 # %% [markdown]
 # 引擎每步对每个单元调用一次（`TinyGPT("small")` 有 39 个单元），所以这个固定开销乘以单元数就是每步多出来的时间，
@@ -593,7 +593,7 @@ show_advice("4. 'Not reserving host memory' -- 13B offloaded to a host with 256 
 # ## 练习
 #
 # 1. 把第 1 节的尺寸扫描改成 2 个线程。缓存里的 GB/s 和 DRAM 里的 GB/s 各变了多少？为什么一个变得多、一个变得少？
-# 2. bf16 梯度进、bf16 权重出的一遍扫描是多少字节/参数？用 `adam_update(..., grad=bf16, out=bf16)` 测一下，和 fp16 的比。
+# 2. bf16 梯度进、bf16 权重出的一遍扫描是多少字节/参数？用 `cpu_adam_update(..., grad=bf16, out=bf16)` 测一下，和 fp16 的比。
 # 3. 在第 6 节的 13B 单卡场景里，链路带宽降到多少 GB/s 时，批 1 完全重叠的一步里 PCIe 才成为瓶颈？先用公式算，再用 `zo plan --link` 验证。
 # 4. 你的机器有多少核、多少内存通道？运行 `zo plan --preset this-cpu --calibrate --params 1B`，再把 `--threads` 从 1 加到核数，
 #    CPU Adam 的吞吐在第几个线程饱和？

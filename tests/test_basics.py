@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -62,3 +64,25 @@ def test_estimate_rejects_impossible_combinations():
         estimate_model_states(10, stage=0, offload_optimizer="cpu")
     with pytest.raises(ValueError, match="precision"):
         estimate_model_states(10, precision="fp8")
+
+
+def test_the_one_pass_kernel_takes_module_1s_hyperparameters():
+    """Module 4's C Adam is module 1's update in one pass: the same hyperparameters, by the same names and with
+    the same defaults, so a call moves from one to the other unchanged (the kernel adds only its own options)."""
+    from zero_offload.basics import adam_update
+    from zero_offload.tuning import cpu_adam_update
+
+    def keywords(fn):
+        return {
+            name: p.default
+            for name, p in inspect.signature(fn).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY
+        }
+
+    ours, kernel = keywords(adam_update), keywords(cpu_adam_update)
+    assert {name: kernel.get(name, "missing") for name in ours} == ours
+    positional = [
+        n for n, p in inspect.signature(adam_update).parameters.items() if p.kind is p.POSITIONAL_OR_KEYWORD
+    ]
+    assert positional == ["param", "grad", "exp_avg", "exp_avg_sq"]
+    assert list(inspect.signature(cpu_adam_update).parameters)[:4] == positional

@@ -21,7 +21,7 @@ if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
 from zero_offload.tuning.cpu_adam import (  # noqa: E402
     NORM_ROW,
     CPUAdam,
-    adam_update,
+    cpu_adam_update,
     memory_floor,
     norm_rows,
     squared_norm_of_rows,
@@ -60,7 +60,7 @@ def _run(variant, n, steps=3, threads=1, **kwargs):
     out = kwargs.pop("out_dtype", None)
     out = torch.empty(n, dtype=out) if out is not None else None
     for step in range(1, steps + 1):
-        adam_update(
+        cpu_adam_update(
             param, grad, m, v, step=step, variant=variant, threads=threads, out=out, **HYPER, **kwargs
         )
     return param, m, v, out
@@ -75,7 +75,7 @@ def test_the_scalar_loop_equals_torch_adam_over_100_steps(adamw):
     m, v = torch.zeros_like(ours), torch.zeros_like(ours)
     for step in range(1, 101):
         grad = torch.randn(4099, generator=gen)
-        adam_update(ours, grad, m, v, step=step, adamw=adamw, variant="scalar", **HYPER)
+        cpu_adam_update(ours, grad, m, v, step=step, adamw=adamw, variant="scalar", **HYPER)
         theirs.grad = grad.clone()
         reference.step()
     # Relative as a norm: torch orders the operations differently (lerp for m), a few ulps apart per step.
@@ -99,7 +99,7 @@ def test_low_precision_gradients_and_outputs_match_torchs_own_casts(variant, low
     # The reference reads the same low-precision gradient, upcast by torch.
     p_ref, g_ref, m_ref, v_ref = _tensors(n, grad_dtype=low)
     for step in range(1, 4):
-        adam_update(p_ref, g_ref.float(), m_ref, v_ref, step=step, variant="scalar", **HYPER)
+        cpu_adam_update(p_ref, g_ref.float(), m_ref, v_ref, step=step, variant="scalar", **HYPER)
     torch.testing.assert_close(param, p_ref, rtol=1e-6, atol=1e-7)
     assert torch.equal(out, param.to(low)), "the rounded copy must be torch's round-to-nearest-even cast"
 
@@ -113,7 +113,7 @@ def test_fp16_rounding_edges(variant):
     values = values.repeat(3)  # long enough for the vector loop and its tail
     grad = torch.zeros_like(values)
     out = torch.empty_like(values, dtype=torch.float16)
-    adam_update(values.clone(), grad, torch.zeros_like(values), torch.zeros_like(values), step=1, lr=0.0,
+    cpu_adam_update(values.clone(), grad, torch.zeros_like(values), torch.zeros_like(values), step=1, lr=0.0,
                 out=out, variant=variant)  # fmt: skip
     assert torch.equal(out, values.to(torch.float16))
 
@@ -126,7 +126,7 @@ def test_bf16_rounding_edges(variant):
         [tie_down, tie_up, 2 - 2**-9, 3.3895314e38, 3.4e38, float("inf"), -float("inf"), float("nan"), -0.0]
     ).repeat(3)
     out = torch.empty_like(values, dtype=torch.bfloat16)
-    adam_update(values.clone(), torch.zeros_like(values), torch.zeros_like(values), torch.zeros_like(values),
+    cpu_adam_update(values.clone(), torch.zeros_like(values), torch.zeros_like(values), torch.zeros_like(values),
                 step=1, lr=0.0, out=out, variant=variant)  # fmt: skip
     want = values.to(torch.bfloat16)
     assert torch.equal(out.isnan(), want.isnan())
@@ -171,7 +171,7 @@ def test_threads_give_identical_results(variant):
 def _row_squares(variant, n, threads=1, grad_dtype=torch.float32, offset=0):
     param, grad, m, v = _tensors(n, grad_dtype=grad_dtype, offset=offset)
     rows = torch.full((norm_rows(n),), float("nan"))  # every row must be written
-    adam_update(param, grad, m, v, step=1, variant=variant, threads=threads, grad_scale=0.5, row_squares=rows,
+    cpu_adam_update(param, grad, m, v, step=1, variant=variant, threads=threads, grad_scale=0.5, row_squares=rows,
                 **HYPER)  # fmt: skip
     reference = _tensors(n, grad_dtype=grad_dtype)[1].double() * 0.5
     return rows, reference
@@ -204,15 +204,15 @@ def test_row_squares_of_the_wrong_size_are_refused_before_any_memory_is_touched(
     param, grad, m, v = _tensors(NORM_ROW + 1)
     before = param.clone()
     with pytest.raises(ValueError, match="row_squares has 1 elements but .* 2"):
-        adam_update(param, grad, m, v, step=1, row_squares=torch.zeros(1), **HYPER)
+        cpu_adam_update(param, grad, m, v, step=1, row_squares=torch.zeros(1), **HYPER)
     assert torch.equal(param, before)
 
 
 def test_the_gradient_factor_is_the_same_as_scaling_the_gradient_first():
     param, grad, m, v = _tensors(100)
     p2, m2, v2 = param.clone(), m.clone(), v.clone()
-    adam_update(param, grad, m, v, step=1, grad_scale=0.125, **HYPER)
-    adam_update(p2, grad * 0.125, m2, v2, step=1, **HYPER)
+    cpu_adam_update(param, grad, m, v, step=1, grad_scale=0.125, **HYPER)
+    cpu_adam_update(p2, grad * 0.125, m2, v2, step=1, **HYPER)
     torch.testing.assert_close(param, p2, rtol=1e-6, atol=0)
 
 
@@ -232,7 +232,7 @@ def test_bad_tensors_are_refused_before_any_memory_is_touched(change, message):
     change(tensors)
     before = {k: t.clone() for k, t in tensors.items()}
     with pytest.raises(ValueError, match=message):
-        adam_update(step=1, **HYPER, **tensors)
+        cpu_adam_update(step=1, **HYPER, **tensors)
     assert all(torch.equal(tensors[k], before[k]) for k in before)
 
 

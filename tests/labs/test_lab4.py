@@ -267,8 +267,8 @@ def _arrays(n, *, seed=0, grad_dtype=torch.float32, out_dtype=None, offset=1):
 
 
 def _update(kernel, views, **kwargs) -> None:
-    with mock.patch.object(cpu_adam, "build", lambda: kernel):  # adam_update's checks, then this kernel
-        cpu_adam.adam_update(
+    with mock.patch.object(cpu_adam, "build", lambda: kernel):  # cpu_adam_update's checks, then this kernel
+        cpu_adam.cpu_adam_update(
             views["param"],
             views["grad"],
             views["exp_avg"],

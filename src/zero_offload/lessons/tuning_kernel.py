@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..tuning import adam_update, build
+from ..tuning import build, cpu_adam_update
 from ..tuning.cpu_adam import supported_variants
 
 VARIANT_ID = {"scalar": 0, "avx2": 1, "avx512": 2}  # the variant numbers zo_adam_update takes (cpu_adam.h)
@@ -100,7 +100,7 @@ def run_ours(n, steps, *, adamw, variant, out_dtype=None, seed=0):
     out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
     for step in range(1, steps + 1):
         g = torch.randn(n, generator=gen)
-        adam_update(
+        cpu_adam_update(
             w,
             g * 8,
             m,
@@ -164,7 +164,7 @@ def tail_rows(lengths=(1, 7, 8, 9, 15, 16, 17, 1003), sentinel: float = 12345.0)
         w.fill_(1.0)
         m.zero_()
         v.zero_()
-        adam_update(w, torch.ones(n), m, v, step=1, lr=0.1, variant=variant, threads=1)
+        cpu_adam_update(w, torch.ones(n), m, v, step=1, lr=0.1, variant=variant, threads=1)
         vector = n // 8 * 8 if "avx2" in supported_variants() else 0
         intact = all(bool((b[n:] == sentinel).all()) for b in buffers)
         rows.append((n, vector, n - vector, bool((w != 1.0).all()), intact))
@@ -203,7 +203,7 @@ def rounding_rows(values: torch.Tensor) -> list[tuple[str, str, int, int]]:
         for variant in supported_variants():
             n = values.numel()
             out = torch.empty(n, dtype=dtype)
-            adam_update(
+            cpu_adam_update(
                 values.clone(),
                 torch.zeros(n),
                 torch.zeros(n),

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ..tuning import adam_update, bandwidth
+from ..tuning import bandwidth, cpu_adam_update
 from ..tuning.cpu_adam import memory_floor
 
 
@@ -26,10 +26,10 @@ def thread_kinds(n: int) -> dict:
         [param], lr=1e-3, fused=True
     )  # torch's threads: set_num_threads(t) before the call
     return {
-        "C fp32": (28, lambda t: adam_update(w32, g32, m32, v32, step=1, lr=1e-3, threads=t)),
+        "C fp32": (28, lambda t: cpu_adam_update(w32, g32, m32, v32, step=1, lr=1e-3, threads=t)),
         "C fp32 -> fp16": (
             30,
-            lambda t: adam_update(w32, g32, m32, v32, step=1, lr=1e-3, out=out16, threads=t),
+            lambda t: cpu_adam_update(w32, g32, m32, v32, step=1, lr=1e-3, out=out16, threads=t),
         ),
         "torch fused": (28, lambda t: fused.step()),
         "memory floor": (28, lambda t: memory_floor(w32, g32, m32, v32, threads=t)),
@@ -78,11 +78,11 @@ def format_threads(rates: dict, kinds: dict, n: int, max_threads: int, rounds: i
 
 
 def call_overhead_us(threads: int, n: int = 1024, calls: int = 200) -> float:
-    """Microseconds one adam_update call costs on n parameters: Python checks, cffi, starting threads."""
+    """Microseconds one cpu_adam_update call costs on n parameters: Python checks, cffi, starting threads."""
     small = [torch.zeros(n) for _ in range(4)]
     out = torch.empty(n, dtype=torch.float16)
     seconds = bandwidth.median_seconds(
-        lambda: [adam_update(*small, step=1, lr=1e-3, out=out, threads=threads) for _ in range(calls)],
+        lambda: [cpu_adam_update(*small, step=1, lr=1e-3, out=out, threads=threads) for _ in range(calls)],
         repeats=5,
     )
     return seconds / calls * 1e6
@@ -107,7 +107,7 @@ class Contention:
         times, until = [], time.perf_counter() + self.seconds
         while len(times) < 5 or time.perf_counter() < until:
             started = time.perf_counter()
-            adam_update(w, g, m, v, step=1, lr=1e-3, out=out, threads=threads)
+            cpu_adam_update(w, g, m, v, step=1, lr=1e-3, out=out, threads=threads)
             times.append(time.perf_counter() - started)
         return statistics.median(times) * 1e3
 

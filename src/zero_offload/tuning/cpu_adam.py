@@ -1,7 +1,7 @@
 """`CPUAdam`: Adam/AdamW over CPU tensors, backed by the C kernel in csrc/cpu_adam.c (bound with cffi).
 
 Two levels:
-  adam_update(...)  one pass over flat tensors: reads fp32/fp16/bf16 gradients, applies a gradient factor
+  cpu_adam_update(...)  one pass over flat tensors: reads fp32/fp16/bf16 gradients, applies a gradient factor
                     (1 / loss scale x clip factor), updates the fp32 master weights and Adam's moments in place,
                     and can write the fp16/bf16 copy of the weights in the same pass;
   CPUAdam           a torch.optim.Optimizer built on it, a drop-in for torch.optim.Adam/AdamW on the host.
@@ -56,7 +56,7 @@ def _check(name: str, tensor: torch.Tensor, n: int, dtypes) -> None:
         raise ValueError(f"{name} has {tensor.numel()} elements but the weights have {n}; lengths must match")
 
 
-def adam_update(
+def cpu_adam_update(
     param: torch.Tensor,
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
@@ -183,7 +183,7 @@ class CPUAdam(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(param)
                     state["exp_avg_sq"] = torch.zeros_like(param)
                 state["step"] += 1
-                adam_update(
+                cpu_adam_update(
                     param, param.grad, state["exp_avg"], state["exp_avg_sq"],
                     step=int(state["step"]), lr=group["lr"], betas=group["betas"], eps=group["eps"],
                     weight_decay=group["weight_decay"], adamw=group["adamw"],
@@ -202,7 +202,7 @@ def one_pass_update(
     group, state = optimizer.param_groups[0], optimizer.state[master]
     state["step"] += 1
     rows = torch.empty(norm_rows(master.numel()), dtype=torch.float32) if norm else None
-    adam_update(
+    cpu_adam_update(
         master, grad, state["exp_avg"], state["exp_avg_sq"],
         step=int(state["step"]), lr=group["lr"], betas=group["betas"], eps=group["eps"],
         weight_decay=group["weight_decay"], adamw=group["adamw"], bias_correction=group["bias_correction"],

@@ -14,7 +14,7 @@ import torch
 
 from ...basics.adam import Adam
 from ...tuning.build import CPUAdamUnavailable
-from ...tuning.cpu_adam import CPUAdam, adam_update, memory_floor, supported_variants
+from ...tuning.cpu_adam import CPUAdam, cpu_adam_update, memory_floor, supported_variants
 from .timing import interleaved_ms
 
 BYTES_PER_PARAM = 28  # one Adam pass: w, m, v read and written (24) + the fp32 gradient read (4)
@@ -90,7 +90,7 @@ def offload_update(numel: int = 16_700_000, rounds: int = 7, threads: int = 2) -
         master, m, v = torch.zeros(numel), torch.zeros(numel), torch.zeros(numel)
         scratch = [torch.zeros(numel) for _ in range(3)]
         counter = iter(range(1, 10**6))
-        steps["ours, one pass"] = lambda: adam_update(
+        steps["ours, one pass"] = lambda: cpu_adam_update(
             master, grad16, m, v, step=next(counter), lr=1e-3, grad_scale=1 / 1024, out=out16, threads=threads
         )
         steps["memory floor"] = lambda: memory_floor(
