@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from zero_offload.cli import main
+from zero_offload.cli.arguments import parse_count
 from zero_offload.cli.demo.run import run_demo
-from zero_offload.cli.main import parse_count
 
 
 def test_estimate_13b(capsys):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from zero_offload.cli import main as zo_main
 from zero_offload.cli.grade import labkit
 from zero_offload.cli.grade import report as grading_report
 from zero_offload.cli.grade import run as grading
@@ -349,8 +350,10 @@ def _grade(repo: Path, *args: str) -> subprocess.CompletedProcess:
     # A fresh interpreter whose zero_offload is the toy package: grading locates the package and the
     # repository from zero_offload's own path, as it does for the course.
     env = {**os.environ, "PYTHONPATH": str(repo / "src")}
+    # `zo grade`'s own options and run, without the rest of `zo` (the toy package has no cli/main.py).
     code = (
-        "import sys; from zero_offload.cli.grade import run as grading; sys.exit(grading.main(sys.argv[1:]))"
+        "import argparse, sys; from zero_offload.cli.grade import run; parser = argparse.ArgumentParser(); "
+        "run.add_arguments(parser); sys.exit(run.run(parser.parse_args(sys.argv[1:])))"
     )
     return subprocess.run(
         [sys.executable, "-c", code, *args], cwd=repo, env=env, capture_output=True, text=True
@@ -409,12 +412,12 @@ def test_grading_plugin_refuses_a_package_outside_the_overlay(graded_repo, tmp_p
 
 
 def test_unknown_and_unavailable_labs_exit_2(capsys, monkeypatch):
-    assert grading.main(["9"]) == 2
+    assert zo_main(["grade", "9"]) == 2
     assert "there is no lab 9" in capsys.readouterr().err
     # Every lab is released now; a course that adds a module releases its lab later, and says so until then.
     lab5 = dataclasses.replace(grading.LABS[5], available=False)
     monkeypatch.setitem(grading.LABS, 5, lab5)
-    assert grading.main(["5"]) == 2
+    assert zo_main(["grade", "5"]) == 2
     assert "is not available yet" in capsys.readouterr().err
 
 

@@ -1,14 +1,63 @@
 """`zo plan`: the performance model's verdict on every ZeRO stage x offload, and advice on the user's choice.
 
-main.py builds the options; this is what the command does with them.
+Its options are built here (add_arguments) beside what the command does with them (run).
 """
 
 from __future__ import annotations
 
 import sys
 
+from .arguments import parse_count, parse_size
 
-def run_plan(args) -> int:
+HELP = "predict memory and step time of every ZeRO stage x offload, and advise"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--params", type=parse_count, required=True, help="e.g. 13B, 350M, 1e9")
+    parser.add_argument(
+        "--preset",
+        default="a100-80g",
+        choices=["v100-32g", "a100-80g", "h200", "this-cpu"],
+        help="hardware figures to start from (this-cpu: this whole machine, measured)",
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this host's CPU Adam (by thread count) and memory bandwidth, and the PCIe link where "
+        "CUDA is present, in place of the preset's; capacities (GPUs, GPU and host memory, cores) stay "
+        "the preset's or --gpus/--gpu-memory/--host-memory (--preset this-cpu measures them too)",
+    )
+    parser.add_argument("--gpus", type=int, help="GPUs on the host, one rank each")
+    parser.add_argument("--gpu-memory", type=parse_size, help="per GPU, e.g. 80GB")
+    parser.add_argument("--host-memory", type=parse_size, help="e.g. 256GB")
+    parser.add_argument("--link", type=float, help="device<->host GB/s per GPU and direction (PCIe)")
+    parser.add_argument("--tflops", type=float, help="peak dense TFLOP/s per GPU")
+    parser.add_argument("--mfu", type=float, help="share of peak a training step reaches (default 0.4)")
+    parser.add_argument(
+        "--cpu-adam",
+        type=parse_count,
+        help="the host's CPU Adam throughput, all ranks together, parameters/s (e.g. 5G)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="CPU Adam threads a rank (--calibrate measures up to it; default: the engine's)",
+    )
+    parser.add_argument("--batch", type=int, default=1, help="micro-batch per GPU, in sequences")
+    parser.add_argument("--seq", type=int, default=1024, help="sequence length in tokens")
+    parser.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"])
+    parser.add_argument("--recompute", action="store_true", help="with activation checkpointing")
+    parser.add_argument(
+        "--units", type=int, help="tensors the CPU Adam updates per step (default: 6 a layer)"
+    )
+    parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="check this choice against the rules")
+    parser.add_argument("--offload", default="none", choices=["none", "optimizer", "optimizer+param"])
+    parser.add_argument(
+        "--plot", metavar="DIR", help="save plots of step time against batch and link bandwidth"
+    )
+
+
+def run(args) -> int:
     """`zo plan`: every stage x offload on a preset, and a recommendation. `--preset this-cpu` measures this
     whole machine; `--calibrate` on another preset measures only the CPU Adam and the host's memory bandwidth
     (and the PCIe link where CUDA is present): capacities come from the preset or --gpu-memory/--host-memory."""

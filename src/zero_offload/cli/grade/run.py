@@ -7,7 +7,6 @@ lab N's files are swapped in, so an unfinished lab 2 cannot break lab 3.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -145,14 +144,18 @@ def grade(
     return summarize(spec, data, output, source)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="zo grade", description="Grade a lab and print tasks and points.")
+HELP = "grade a lab: zo grade 1 [--lab-dir solutions]"
+
+
+def add_arguments(parser) -> None:
     parser.add_argument("lab", type=int, help="the lab number, 1-5")
     parser.add_argument(
         "--lab-dir", default="labs", help="labs (default), solutions, or a directory of lab files"
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="show the output of the tests")
-    args = parser.parse_args(argv)
+
+
+def run(args) -> int:
     try:
         result = grade(args.lab, args.lab_dir)
     except (GradingError, labkit.LabMarkerError) as err:

@@ -1,14 +1,57 @@
-"""`zo train` and `zo checkpoint to-fp32`: a training run, and the plain PyTorch weights of its checkpoints.
+"""`zo train`: a training run from a DeepSpeed-style config, under torchrun or in one process.
 
-cli/main.py builds the options; these turn the errors a user can fix into exit status 2, the others into 1.
+Its options are built here, beside the code that runs them; the errors a user can fix become exit status 2,
+the others 1.
 """
 
 from __future__ import annotations
 
 import sys
 
+HELP = "train the tiny GPT with a DeepSpeed-style config (works under torchrun)"
 
-def run_train(args) -> int:
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", required=True, help="path to a DeepSpeed-style JSON config")
+    parser.add_argument("--model", default="tiny", help="model preset: nano, tiny, small, 10m, 100m, 1b")
+    parser.add_argument(
+        "--steps", type=int, default=100, help="train up to this step (with --resume: in all)"
+    )
+    parser.add_argument("--out", default="out/train", help="report, plots and checkpoints/ go here")
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and data order")
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="evaluate on held-out text every N steps and at the end (0: never)",
+    )
+    parser.add_argument(
+        "--eval-batches", type=int, default=4, metavar="B", help="global batches an evaluation reads"
+    )
+    parser.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="checkpoint to OUT/checkpoints/step_<n> every N steps and at the end (0: never)",
+    )
+    parser.add_argument("--keep", type=int, default=2, help="checkpoints to keep, newest first")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint under OUT/checkpoints",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="how long a collective waits for a rank that stopped answering "
+        "(default: ZO_DIST_TIMEOUT, else 300)",
+    )
+
+
+def run(args) -> int:
     from ...config import ConfigError
     from ...engine.divergence import TrainingDivergedError
     from ...implementation.checkpoint import CheckpointError
@@ -34,26 +77,4 @@ def run_train(args) -> int:
     except (RankLostError, TrainingDivergedError) as err:  # not the user's input: says how to resume
         print(f"error: {err}", file=sys.stderr)
         return 1
-    return 0
-
-
-def run_checkpoint(args) -> int:
-    from ...implementation.checkpoint import CheckpointError, checkpoint_folder, read_meta, to_fp32
-
-    try:
-        folder = checkpoint_folder(args.dir)  # once: it warns of an unfinished save it skips
-        meta = read_meta(folder)
-        state = to_fp32(folder, args.out)
-    except CheckpointError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    tensors = {id(t): t for t in state.values()}.values()  # a tied weight is one tensor, stored once
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    print(
-        f"wrote {args.out}: {len(state)} entries ({len(state) - len(tensors)} tied), "
-        f"{sum(t.numel() for t in tensors):,} elements, {nbytes / 1e6:.1f} MB: the fp32 weights at step "
-        f"{meta['global_steps']} of a {meta['world_size']}-rank, ZeRO stage {meta['stage']}, "
-        f"{meta['precision']} checkpoint"
-    )
-    print(f"load it with: model.load_state_dict(torch.load({args.out!r}, weights_only=True))")
     return 0
