@@ -272,6 +272,14 @@ class OffloadPipeline(EarlyUploads, HostGradients):
         target = self.states.param_shards[index]
         return self.upload.submit(self.states.transfers.to_device, target, source, blocking=False)
 
+    def staging_buffers(self) -> list[torch.Tensor]:
+        """The host buffers this pipeline holds beyond the model states: its gradient and weight slots, and
+        the delayed update's two areas; what the memory report counts as host staging."""
+        buffers = list(self.grad_slots.buffers)
+        buffers += self.weight_slots.buffers if self.weight_slots is not None else []
+        buffers += [region for area in self.kept or [] for region in area]
+        return buffers
+
     # -- what publish() leaves alone (DPU's uploads during the next backward: early_uploads.py) ---------------
     def published_units(self) -> set[int]:
         """The units whose new weights this step already went where forward reads them (rounded, and uploaded
