@@ -156,27 +156,34 @@ class OffloadPipeline:
 
         # The parts: where the host's gradients go, and DPU's uploads during the next backward.
         self.partition = GradientPartition(states.flat_grad, states.grad_shards, host)
-        self.kept = None  # DPU with one micro-batch: each step's gradients in an area of their own
+        # DPU with one micro-batch: each step's gradients in an area of their own.
+        self.kept = None
         if keep_gradients:
             sizes = [unit.shard_numel for unit in units]
             pin, to_host = states.pin_optimizer, self.transfers.to_host
             self.kept = KeptGradients(accel, sizes, states.dtype, pin=pin, to_host=to_host)
         self.early = EarlyUploads(states.param_staging, states.param_shards, self.transfers.to_device)
 
-        # Decided at each backward (begin_backward).
-        self.eager = False  # Adam runs as each gradient arrives
-        self.final = False  # this backward is the last micro-batch before the step
+        # Decided at each backward (begin_backward): `eager`, Adam runs as each gradient arrives; `final`,
+        # this backward is the last micro-batch before the step.
+        self.eager = False
+        self.final = False
         # Eager with a single micro-batch and the C Adam: the gradient is never added anywhere, so Adam reads
         # the staging slot itself, and the fp32 gradient partition is neither written nor cleared.
         self.direct = False
-        self.keeping = False  # this step's gradients go to the kept areas
+        # This step's gradients go to the kept areas.
+        self.keeping = False
 
-        self.squared_norms: dict[int, float] = {}  # unit -> squared norm of its complete gradient
+        # Unit -> squared norm of its complete gradient.
+        self.squared_norms: dict[int, float] = {}
         self.norm_in_adam = norm_in_adam
         self.clip_factor = 1.0
-        self._pending: list[Event] = []  # what must finish before the step can go on
-        self._alive: list[tuple[torch.Tensor, Event]] = []  # device shards whose copy may still read them
-        self.updated: set[int] = set()  # units whose Adam has been queued this step
+        # What must finish before the step can go on.
+        self._pending: list[Event] = []
+        # Device shards whose copy may still read them.
+        self._alive: list[tuple[torch.Tensor, Event]] = []
+        # Units whose Adam has been queued this step.
+        self.updated: set[int] = set()
         self.adam_seconds = 0.0
         states.hand_gradients_to(self)
 
@@ -197,13 +204,15 @@ class OffloadPipeline:
         if self.early.update is not None and self.final:
             # DPU: backward is done with this unit, so the delayed update's new weights may go up now.
             self.early.upload(index, self.up)
-        if self.keeping:  # DPU: this step's gradient stays where it lands until the delayed Adam
+        if self.keeping:
+            # DPU: this step's gradient stays where it lands until the delayed Adam.
             norms = self.squared_norms
             copied, done = self.kept.receive(index, shard, down=self.down, host=self.host, norms=norms)
             self._pending.append(done)
             self._hold_until_copied(shard, copied)
             return
         # Lab 5.1: the double-buffered bucket schedule
+        # The delayed update's two cases above are given; here is every other gradient's way to the host.
         # 1. slot, staging = self.grad_slots.acquire(self.down, shard.numel()): a free staging slot, with the
         #    down stream made to wait until it is free (Lab 5.2).
         # 2. copied = self.down.submit(self.transfers.to_host, staging, shard, blocking=False): the D2H copy,
@@ -226,7 +235,8 @@ class OffloadPipeline:
 
     def _queue_on_host(self, index: int, staging: torch.Tensor) -> Event:
         """Queue the host's work on a gradient that has arrived in `staging`; the event of its last read."""
-        if self.eager and self.direct:  # nothing to add it to: Adam reads the slot itself
+        if self.eager and self.direct:
+            # Nothing to add it to: Adam reads the slot itself.
             return self._adam_then_upload(index, grad=staging)
         self._clear_partition_if(PartitionState.UNDEFINED)
         # The gradient is complete after this add: its share of the global norm, here rather than at the step
@@ -263,7 +273,8 @@ class OffloadPipeline:
         (published_units), so publish() is told nothing was rounded for it."""
         self.clip_factor = clip_factor
         missed = [i for i in range(self.states.host_units) if i not in self.updated]
-        if missed:  # a unit no gradient reached (unused this step) reads zeros, as in the serial step
+        if missed:
+            # A unit no gradient reached (unused this step) reads zeros, as in the serial step.
             self._clear_partition_if(PartitionState.UNDEFINED)
         for index in missed:
             self._adam_then_upload(index)
@@ -279,14 +290,18 @@ class OffloadPipeline:
         self.updated.add(index)
         slot, out = None, None
         if states.offload_param:
-            out = states.param_shards[index]  # the weights live on the host: rounded in place, gathered later
-        elif self.weight_slots is not None:  # fp16/bf16: rounded into an upload slot in the same pass
+            # The weights live on the host: rounded in place, gathered later.
+            out = states.param_shards[index]
+        elif self.weight_slots is not None:
+            # fp16/bf16: rounded into an upload slot in the same pass.
             slot, out = self.weight_slots.acquire(self.host, states.units[index].shard_numel)
         adam = self.host.submit(self._adam, index, out, grad)
         self._pending.append(adam)
         if not states.offload_param:
-            self.up.wait_event(adam)  # on CUDA this blocks until Adam is done: see the engine's `eager`
-            source = out if out is not None else states.master_params[index]  # fp32: the master itself
+            # On CUDA this blocks until Adam is done: see the engine's `eager`.
+            self.up.wait_event(adam)
+            # fp32 weights go up from the master itself.
+            source = out if out is not None else states.master_params[index]
             target = states.param_shards[index]
             uploaded = self.up.submit(self.transfers.to_device, target, source, blocking=False)
             if slot is not None:
@@ -298,7 +313,8 @@ class OffloadPipeline:
     def _adam(self, index: int, out: torch.Tensor | None, staged: torch.Tensor | None = None) -> None:
         master, grad = self.states.master_params[index], self.partition.shards[index]
         with self.timeline.adam() as clock:
-            if staged is not None:  # straight from the slot: the gradient is this micro-batch's, loss scale 1
+            if staged is not None:
+                # Straight from the slot: the gradient is this micro-batch's, loss scale 1.
                 grad = staged
                 if not self.norm_in_adam:
                     self.squared_norms[index] = squared_norm(grad)

@@ -21,8 +21,10 @@ class EarlyUploads:
 
     def __init__(self, sources: list[torch.Tensor], targets: list[torch.Tensor], to_device: Callable):
         self.sources, self.targets, self.to_device = sources, targets, to_device
-        self.update: Event | None = None  # the delayed Adam in flight, whose weights may go up early
-        self.queued: dict[int, Event] = {}  # unit -> the upload of its new weights, queued during backward
+        # The delayed Adam in flight, whose weights may go up early.
+        self.update: Event | None = None
+        # Unit -> the upload of its new weights, queued during backward.
+        self.queued: dict[int, Event] = {}
 
     def start(self, update: Event) -> None:
         """`update` (the delayed Adam just launched, module 4's C Adam: it rounds into `sources` itself)

@@ -85,8 +85,10 @@ class KeptGradients:
     def __init__(self, accel, sizes: list[int], dtype: torch.dtype, *, pin: bool, to_host: Callable):
         self.areas = [list(host_buffer(accel, sum(sizes), dtype, pin=pin).split(sizes)) for _ in range(2)]
         self.to_host = to_host
-        self.area = 0  # the area this step's backward writes
-        self.landed: frozenset[int] = frozenset()  # the units whose gradient this step's backward kept
+        # The area this step's backward writes.
+        self.area = 0
+        # The units whose gradient this step's backward kept.
+        self.landed: frozenset[int] = frozenset()
 
     def receive(self, index: int, shard: torch.Tensor, *, down, host, norms: dict) -> tuple[Event, Event]:
         """Unit `index`'s gradient down the `down` stream into its region of this step's area, and its squared
