@@ -469,7 +469,7 @@ def test_copy_streams_that_block_on_host_events_as_cuda_does_still_give_the_seri
     )
     assert (
         engine.updating.pipeline.eager is False
-    )  # Adam waits for the step: the upload stream cannot wait for it
+    )  # Adam waits for the step: the up stream cannot wait for it
 
 
 def test_with_an_upload_stream_that_blocks_the_delayed_weights_go_up_at_the_step():

@@ -2,7 +2,7 @@
 
     eager         Adam runs on each unit as its gradient arrives, before backward returns: only on the last
                   micro-batch, and only if nothing needs the whole gradient first (no fp16 overflow check, no
-                  clipping to the global norm, no delayed update this step), and only if the upload stream can
+                  clipping to the global norm, no delayed update this step), and only if the up stream can
                   wait for the host's Adam without blocking backward's thread (not a CUDA stream)
     direct        Adam reads the staging slot itself and the fp32 gradient partition is never written: eager,
                   one micro-batch, and module 4's C Adam (which reads fp16/bf16 gradients)
@@ -43,7 +43,7 @@ ROWS = [
     *itertools.product(
         ["fp32", "bf16", "fp16"], [False, True], [1, 2], [False, True], ["simd", "torch"], [True]
     ),
-    ("fp32", False, 1, False, "simd", False),  # CUDA's upload stream: Adam waits for the step
+    ("fp32", False, 1, False, "simd", False),  # CUDA's up stream: Adam waits for the step
     ("bf16", False, 2, False, "simd", False),
 ]
 
