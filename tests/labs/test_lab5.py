@@ -40,7 +40,8 @@ def _reference_acquire(self, writer, numel):
 
 
 def _reference_receive(self, index, shard):
-    if self.early.update is not None and self.final:  # given: the delayed update's parts
+    # Given in the lab: the delayed update's two cases.
+    if self.early.update is not None and self.final:
         self.early.upload(index, self.up)
     if self.keeping:
         copied, done = self.kept.receive(index, shard, down=self.down, host=self.host, norms=self.squared_norms)
