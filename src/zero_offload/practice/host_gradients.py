@@ -1,8 +1,9 @@
 """Where module 5's pipeline puts the host's gradients: the fp32 partition, or, for DPU, areas of their own.
 
 OffloadPipeline (pipeline.py) owns one `GradientPartition` and, when the delayed update keeps its gradients, one
-`KeptGradients`. Both are memory and its bookkeeping; the pipeline moves the gradients (its streams and host
-queue are handed to them with each call), and waits for the events they return.
+`KeptGradients`, each built with the buffers it holds. They queue their work where they are told (the partition
+on the host queue it was built with, the kept areas on the streams each call hands them) and return its events:
+the pipeline waits for those before the step goes on.
 
 The fp32 partition (OffloadedStates.grad_shards) is where gradients are added up. Its state is one of
 `PartitionState`: UNDEFINED as allocated (never touched, so it takes no memory until used; a direct run never
