@@ -95,7 +95,7 @@ print(f"figures go to {OUT.relative_to(ROOT)}/")
 #
 # 第 5 模块的两个开关都在配置的 `"zero_offload"` 一节里：
 #
-# - `"overlap_offload": true`（`practice/pipeline.py`）：每个单元的梯度一算出来就经**拷贝流**下行，CPU 的**主机队列**马上累加、
+# - `"overlap_offload": true`（`practice/pipeline.py`）：每个单元的梯度一算出来就经**下行流**下行，CPU 的**主机队列**马上累加、
 #   做这个单元的 Adam、把新权重交给**上传流**上行。第 k 个单元做 Adam 时，第 k+1 个在下行，第 k−1 个在上行。
 #   主机上的中转缓冲轮流使用（`SlotRing`，默认两个槽即双缓冲，`"staging_slots"` 可调）：一个槽只有在读它的人读完之后才能再写；
 # - `"delayed_param_update": {"enabled": true, "start_step": N}`（`practice/dpu.py`）：从第 N 步起，第 t 步的 Adam
@@ -165,7 +165,7 @@ show(practice_steps.draw_steps(zoom_split, f"TinyGPT('{S_MODEL}'), batch 1 x {S_
 #
 # - **串行**：D2H 的竖条落在反向期间，但它们是在反向自己的线程上一个接一个做的（第 3 模块：每个桶归约完，钩子里就下行、累加），
 #   占的是反向的时间；Adam 和 H2D 全在反向之后，设备等着。"反向之后的尾巴"几乎就是 CPU Adam 加上上行；
-# - **重叠**：下行、累加、Adam、上行都搬到了主机那个核上（下行走拷贝流，上行走另一条上传流：上行要等本单元的 Adam，
+# - **重叠**：下行、累加、Adam、上行都搬到了主机那个核上（下行走下行流，上行走另一条上行流：上行要等本单元的 Adam，
 #   若与下行排在同一条按序执行的流里，下一个单元的下行就得跟着等），在反向还没结束时就开始，尾巴只剩几毫秒。
 #   但反向比串行时长（主机上 Adam 片段的总长也与串行时不同：它一个单元一个单元地做，还顺手算了每个单元的梯度范数）：分核只把"算"分开了，
 #   两个核共用同一份内存带宽和 L3 缓存，而在批 1 的小批次上，反向和 Adam 都是搬内存的活
@@ -257,7 +257,7 @@ for batch in (1, 2, 4, 8, 16, 64):
 # ### 2.4 暂存槽：两个够不够
 #
 # 梯度分片下行到主机的暂存槽里，槽要等读它的 Adam 做完才能再写；设备上的分片也要等下行读完才能放掉。
-# 双缓冲（2 个槽）时，只要主机落后两个单元，反向就停下来等（`_keep_until`：设备上等着下行的分片不超过槽数）。
+# 双缓冲（2 个槽）时，只要主机落后两个单元，反向就停下来等（`_hold_until_copied`：设备上等着下行的分片不超过槽数）。
 # 主机的活是一阵一阵来的：大单元（MLP 的两个矩阵）挨着到达时它就落后。同样的设置，只把槽数从 4 改回 2：
 
 # %%
@@ -585,7 +585,7 @@ else:
 #
 # | 任务 | 内容 | 位置 |
 # |---|---|---|
-# | Lab 5.1 | 双缓冲的桶调度：取槽、在拷贝流上下行、主机队列等拷贝、累加、还槽、（eager 时）Adam 与上行 | `practice/pipeline.py` `OffloadPipeline.deliver` |
+# | Lab 5.1 | 双缓冲的桶调度：取槽、在下行流上下行、主机队列等拷贝、累加、还槽、（eager 时）Adam 与上行 | `practice/pipeline.py` `OffloadPipeline.receive` |
 # | Lab 5.2 | 一个槽只有在最后一个读它的人读完后才能再写 | `practice/pipeline.py` `SlotRing.acquire` |
 # | Lab 5.3 | 延迟参数更新：先落地上一步，再对梯度快照发起这一步的 Adam | `practice/dpu.py` `DelayedUpdate.step` |
 #

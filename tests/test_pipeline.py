@@ -22,6 +22,7 @@ import zero_offload as zo
 import zero_offload.engine.updating
 from zero_offload.accelerator import EmulatedAccelerator
 from zero_offload.config import ConfigError
+from zero_offload.practice.early_uploads import EarlyUploads
 from zero_offload.practice.pipeline import HostQueue, OffloadPipeline, SlotRing
 from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss
 
@@ -322,13 +323,13 @@ def test_the_delayed_update_is_exact_during_warm_up_and_one_step_stale_after(ove
 def test_the_delayed_weights_go_up_during_the_next_backward_and_change_nothing(precision, monkeypatch):
     dpu = {"delayed_param_update": {"enabled": True, "start_step": 1}}
     engine = _engine(_config(2, precision, overlap=True, ext=dpu))
-    queued, upload_early = [], OffloadPipeline._upload_early
+    queued, upload = [], EarlyUploads.upload
 
-    def recording(pipeline, index):  # called as each unit's gradient arrives, i.e. during backward
-        queued.append((engine.global_steps, pipeline.final, index))
-        upload_early(pipeline, index)
+    def recording(early, index, stream):  # called as each unit's gradient arrives, i.e. during backward
+        queued.append((engine.global_steps, engine.updating.pipeline.final, index))
+        upload(early, index, stream)
 
-    monkeypatch.setattr(OffloadPipeline, "_upload_early", recording)
+    monkeypatch.setattr(EarlyUploads, "upload", recording)
     losses = _train(engine, 4)
     units = len(engine.states.units)
     # Steps 2 and 3 ran backward while the update of the step before was in flight: every unit went up then.
@@ -393,7 +394,7 @@ def test_the_kept_gradients_change_nothing_bit_for_bit(precision, clip, impl, mo
         2, precision, overlap=True, impl=impl, clip=clip, ext=dpu, reduce_bucket_size=16 * 16 + 16
     )
     kept = _train_sometimes_unused(config, 6)
-    assert kept.updating.pipeline.kept is not None and kept.updating.pipeline.landed == frozenset()
+    assert kept.updating.pipeline.kept is not None and kept.updating.pipeline.kept.landed == frozenset()
     kept_nano = _engine(_config(2, precision, overlap=True, impl=impl, clip=clip, ext=dpu))
     kept_losses = _train(kept_nano, 5)
     monkeypatch.setattr(zero_offload.engine.updating, "keeps_gradients", lambda config, host_adam: False)
@@ -412,13 +413,13 @@ def test_the_kept_gradients_take_turns_between_two_areas():
     dpu = {"delayed_param_update": {"enabled": True, "start_step": 1}}
     engine = _engine(_config(2, "bf16", overlap=True, ext=dpu))
     pipeline = engine.updating.pipeline
-    areas = [{t.untyped_storage().data_ptr() for t in area} for area in pipeline.kept]
+    areas = [{t.untyped_storage().data_ptr() for t in area} for area in pipeline.kept.areas]
     assert len(areas[0]) == len(areas[1]) == 1 and areas[0] != areas[1]  # two flat buffers
-    assert all(t.dtype == torch.bfloat16 for area in pipeline.kept for t in area)  # as they came down
+    assert all(t.dtype == torch.bfloat16 for area in pipeline.kept.areas for t in area)  # as they came down
     written = []
     for step in range(4):
         _train(engine, 1, start=step)
-        written.append(pipeline.area)
+        written.append(pipeline.kept.area)
     assert written == [0, 1, 0, 1]  # the area the next backward writes: step 0 is the warm-up, not kept
     staging = engine.states.host_staging_bytes()
     assert staging >= 2 * 2 * sum(u.shard_numel for u in engine.states.units)  # both areas are counted
@@ -459,8 +460,8 @@ class _BlockingCopyStream:
 def test_copy_streams_that_block_on_host_events_as_cuda_does_still_give_the_serial_weights(precision):
     serial = _engine(_config(2, precision))
     engine = _engine(_config(2, precision, overlap=True))
-    engine.updating.pipeline.copy = _BlockingCopyStream(engine.updating.pipeline.copy)
-    engine.updating.pipeline.upload = _BlockingCopyStream(engine.updating.pipeline.upload)
+    engine.updating.pipeline.down = _BlockingCopyStream(engine.updating.pipeline.down)
+    engine.updating.pipeline.up = _BlockingCopyStream(engine.updating.pipeline.up)
     assert _train(engine, 4) == _train(serial, 4)
     assert not _same_weights(
         {n: p.detach().clone() for n, p in engine.model.named_parameters()},
@@ -468,16 +469,17 @@ def test_copy_streams_that_block_on_host_events_as_cuda_does_still_give_the_seri
     )
     assert (
         engine.updating.pipeline.eager is False
-    )  # Adam waits for the step: the upload stream cannot wait for it
+    )  # Adam waits for the step: the up stream cannot wait for it
 
 
 def test_with_an_upload_stream_that_blocks_the_delayed_weights_go_up_at_the_step():
     dpu = {"delayed_param_update": {"enabled": True, "start_step": 1}}
     engine = _engine(_config(2, overlap=True, ext=dpu))
-    engine.updating.pipeline.upload = _BlockingCopyStream(engine.updating.pipeline.upload)
+    engine.updating.pipeline.up = _BlockingCopyStream(engine.updating.pipeline.up)
     _train(engine, 3)
     # Queuing them during backward would block backward until the delayed Adam is done.
-    assert engine.updating.pipeline._early_after is None and not engine.updating.pipeline.early
+    early = engine.updating.pipeline.early
+    assert early.update is None and not early.queued
     engine.synchronize()
 
 

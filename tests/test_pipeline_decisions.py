@@ -2,7 +2,7 @@
 
     eager         Adam runs on each unit as its gradient arrives, before backward returns: only on the last
                   micro-batch, and only if nothing needs the whole gradient first (no fp16 overflow check, no
-                  clipping to the global norm, no delayed update this step), and only if the upload stream can
+                  clipping to the global norm, no delayed update this step), and only if the up stream can
                   wait for the host's Adam without blocking backward's thread (not a CUDA stream)
     direct        Adam reads the staging slot itself and the fp32 gradient partition is never written: eager,
                   one micro-batch, and module 4's C Adam (which reads fp16/bf16 gradients)
@@ -26,6 +26,7 @@ from corpus import fixed_corpus
 from test_pipeline import _BlockingCopyStream, _config, _engine
 from training import BATCH, SEQ
 
+from zero_offload.practice.host_gradients import PartitionState
 from zero_offload.workloads import ByteBatches, lm_loss
 
 
@@ -42,7 +43,7 @@ ROWS = [
     *itertools.product(
         ["fp32", "bf16", "fp16"], [False, True], [1, 2], [False, True], ["simd", "torch"], [True]
     ),
-    ("fp32", False, 1, False, "simd", False),  # CUDA's upload stream: Adam waits for the step
+    ("fp32", False, 1, False, "simd", False),  # CUDA's up stream: Adam waits for the step
     ("bf16", False, 2, False, "simd", False),
 ]
 
@@ -55,7 +56,7 @@ def test_each_backward_runs_as_far_ahead_as_the_rules_allow(precision, clip, acc
     engine = _engine(config)
     pipeline = engine.updating.pipeline
     if not waits:
-        pipeline.upload = _BlockingCopyStream(pipeline.upload)
+        pipeline.up = _BlockingCopyStream(pipeline.up)
     data = ByteBatches(fixed_corpus(), SEQ, seed=11)
     touched = False  # whether any backward so far wrote the fp32 gradient partition
     for step in range(2):
@@ -70,10 +71,11 @@ def test_each_backward_runs_as_far_ahead_as_the_rules_allow(precision, clip, acc
             where = f"step {step}, micro-batch {micro}"
             touched = touched or not (direct or kept)
             assert all(moved) if eager else not any(moved), f"{where}: eager should be {eager}"
-            assert (pipeline.grads == "undefined") == (not touched), f"{where}: direct {direct}, kept {kept}"
+            untouched = pipeline.partition.state is PartitionState.UNDEFINED
+            assert untouched == (not touched), f"{where}: direct {direct}, kept {kept}"
             assert pipeline.keeping == kept, f"{where}: kept should be {kept}"
             landed = set(range(engine.states.host_units)) if kept else set()
-            assert pipeline.landed == landed, where
+            assert (pipeline.kept.landed if pipeline.kept is not None else set()) == landed, where
             assert engine.updating.norm_in_adam == pipeline.norm_in_adam == norm_in_adam, where
             assert (pipeline.eager, pipeline.direct and pipeline.eager) == (eager, direct), where
             # Reading the slot directly is only right when the slot holds the whole gradient: one micro-batch.

@@ -25,9 +25,9 @@ PACKAGE = Path(zo.__file__).resolve().parent
 # Where a gradient arrives: the first call of any of these ends a walk.
 # Matched against the function's qualified name, so that a method named `step` is not every `step`.
 LANDMARKS = {
-    "to the host": ("gradients_to_host", "_take_gradient"),
+    "to the host": ("gradients_to_host", "OffloadPipeline.receive"),
     "Adam": ("adam_step", "OnePassAdam.update", "OnePassAdam.step", "CPUAdam.step"),
-    "back to the device": ("upload_weights", "_upload", "publish"),
+    "back to the device": ("upload_weights", "_adam_then_upload", "publish"),
 }
 
 

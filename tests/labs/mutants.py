@@ -488,44 +488,44 @@ MUTANTS.update(
     {
         "5.1": [
             (
-                "copies on backward's thread instead of the copy stream",
+                "copies on backward's thread instead of the down stream",
                 """
-            slot, staging = self.grad_slots.acquire(self.copy, shard.numel())
-            transfers.to_host(staging, shard)
-            done = self._take_gradient(index, staging)
+            slot, staging = self.grad_slots.acquire(self.down, shard.numel())
+            self.transfers.to_host(staging, shard)
+            done = self._queue_on_host(index, staging)
             self.grad_slots.release(slot, done)
         """,
             ),
             # Each `old` starts at a line's indentation: the comments above the code name the same calls.
             (
                 "the host reads the slot without waiting for the copy",
-                (_CODE + "self.host.wait_event(down)", _CODE + "pass"),
+                (_CODE + "self.host.wait_event(copied)", _CODE + "pass"),
             ),
-            ("backward waits for every copy", (_CODE + "self.host.wait_event(down)", _CODE + "down.wait()")),
+            ("backward waits for every copy", (_CODE + "self.host.wait_event(copied)", _CODE + "copied.wait()")),
             (
                 "the slot is never handed back",
                 (_CODE + "self.grad_slots.release(slot, done)", _CODE + "pass"),
             ),
             (
                 "the slot is handed back when the copy lands, before the host has read it",
-                (_CODE + "self.grad_slots.release(slot, done)", _CODE + "self.grad_slots.release(slot, down)"),
+                (_CODE + "self.grad_slots.release(slot, done)", _CODE + "self.grad_slots.release(slot, copied)"),
             ),
             (
-                "the host queue, not the copy stream that writes the slot, waits for its reader",
+                "the host queue, not the down stream that writes the slot, waits for its reader",
                 (
-                    _CODE + "slot, staging = self.grad_slots.acquire(self.copy, shard.numel())",
+                    _CODE + "slot, staging = self.grad_slots.acquire(self.down, shard.numel())",
                     _CODE + "slot, staging = self.grad_slots.acquire(self.host, shard.numel())",
                 ),
             ),
             (
                 "the host's work is queued before the host is told to wait for the copy",
                 """
-            slot, staging = self.grad_slots.acquire(self.copy, shard.numel())
-            down = self.copy.submit(transfers.to_host, staging, shard, blocking=False)
-            done = self._take_gradient(index, staging)
-            self.host.wait_event(down)
+            slot, staging = self.grad_slots.acquire(self.down, shard.numel())
+            copied = self.down.submit(self.transfers.to_host, staging, shard, blocking=False)
+            done = self._queue_on_host(index, staging)
+            self.host.wait_event(copied)
             self.grad_slots.release(slot, done)
-            self._keep_until(shard, down)
+            self._hold_until_copied(shard, copied)
         """,
             ),
         ],

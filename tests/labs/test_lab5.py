@@ -39,13 +39,21 @@ def _reference_acquire(self, writer, numel):
     return slot, self.buffers[slot][:numel]
 
 
-def _reference_deliver(self, index, shard):
-    slot, staging = self.grad_slots.acquire(self.copy, shard.numel())
-    down = self.copy.submit(self.states.transfers.to_host, staging, shard, blocking=False)
-    self.host.wait_event(down)
-    done = self._take_gradient(index, staging)
+def _reference_receive(self, index, shard):
+    # Given in the lab: the delayed update's two cases.
+    if self.early.update is not None and self.final:
+        self.early.upload(index, self.up)
+    if self.keeping:
+        copied, done = self.kept.receive(index, shard, down=self.down, host=self.host, norms=self.squared_norms)
+        self._pending.append(done)
+        self._hold_until_copied(shard, copied)
+        return
+    slot, staging = self.grad_slots.acquire(self.down, shard.numel())
+    copied = self.down.submit(self.transfers.to_host, staging, shard, blocking=False)
+    self.host.wait_event(copied)
+    done = self._queue_on_host(index, staging)
     self.grad_slots.release(slot, done)
-    self._keep_until(shard, down)
+    self._hold_until_copied(shard, copied)
 
 
 def _reference_step(self, grads, adam, publish, *, skip):
@@ -66,7 +74,7 @@ def _reference_step(self, grads, adam, publish, *, skip):
 def _others(keep, monkeypatch):
     """Correct versions of every task but `keep`."""
     references = {
-        "5.1": (pipeline.OffloadPipeline, "deliver", _reference_deliver),
+        "5.1": (pipeline.OffloadPipeline, "receive", _reference_receive),
         "5.2": (pipeline.SlotRing, "acquire", _reference_acquire),
         "5.3": (dpu.DelayedUpdate, "step", _reference_step),
     }
@@ -145,7 +153,7 @@ def _delivered(engine, count):
     for index in range(count):
         numel = states.units[index].shard_numel
         shard = engine.accelerator.zeros(numel, states.dtype, category="buckets").fill_(index + 1.0)
-        engine.updating.pipeline.deliver(index, shard)
+        engine.updating.pipeline.receive(index, shard)
 
 
 def _assert_arrived(engine, count):
@@ -176,12 +184,12 @@ def test_the_overlapped_schedule_trains_bit_for_bit_like_the_serial_step(
 
 
 @pytest.mark.task("5.1")
-def test_deliver_returns_while_the_copy_stream_is_busy(monkeypatch):
+def test_receive_returns_while_the_down_stream_is_busy(monkeypatch):
     _others("5.1", monkeypatch)
     engine = _engine(_config())
     pipeline_, states = engine.updating.pipeline, engine.states
     gate = _Gate()
-    pipeline_.copy.submit(gate.closed)  # the link is busy until the test opens the gate
+    pipeline_.down.submit(gate.closed)  # the link is busy until the test opens the gate
     returned = threading.Event()
 
     def open_later():  # a schedule that waits for its copy would hang until here
@@ -192,7 +200,7 @@ def test_deliver_returns_while_the_copy_stream_is_busy(monkeypatch):
     opener.start()
     shard = engine.accelerator.zeros(states.units[0].shard_numel, states.dtype, category="buckets").fill_(1.0)
     try:
-        pipeline_.deliver(0, shard)  # backward's thread hands over one reduced shard
+        pipeline_.receive(0, shard)  # backward's thread hands over one reduced shard
         returned_with_gate_closed = not gate._event.is_set()
         copied_on_this_thread = states.transfers.bytes["d2h"]
     finally:
@@ -200,8 +208,8 @@ def test_deliver_returns_while_the_copy_stream_is_busy(monkeypatch):
         gate.open()
         opener.join()
     pipeline_.wait()
-    assert returned_with_gate_closed, "deliver waited for the copy: D2H must go on the copy stream"
-    assert copied_on_this_thread == 0, "the copy ran on backward's thread: submit it to the copy stream"
+    assert returned_with_gate_closed, "receive waited for the copy: D2H must go on the down stream"
+    assert copied_on_this_thread == 0, "the copy ran on backward's thread: submit it to the down stream"
     assert torch.equal(states.grad_shards[0], torch.ones_like(states.grad_shards[0])), "the gradient arrived"
 
 
@@ -212,7 +220,7 @@ def test_the_host_reads_a_gradient_only_after_its_copy_has_landed(monkeypatch):
     pipeline_ = engine.updating.pipeline
     # The link starts nothing until the host has run everything it can: a host not made to wait for the copy
     # has read an empty slot by then.
-    with held_until_quiet(pipeline_.copy, pipeline_.host):
+    with held_until_quiet(pipeline_.down, pipeline_.host):
         _delivered(engine, 1)
     pipeline_.wait()
     _assert_arrived(engine, 1)
@@ -226,7 +234,7 @@ def test_a_staging_slot_is_handed_back_only_after_the_host_has_read_it(monkeypat
     count = slots + 1  # the last one reuses the first slot
     # The host starts nothing until the link has run every copy it can: a slot handed back before the host
     # read it has been overwritten by then.
-    with held_until_quiet(pipeline_.host, pipeline_.copy, after=count):
+    with held_until_quiet(pipeline_.host, pipeline_.down, after=count):
         _delivered(engine, count)
     pipeline_.wait()
     _assert_arrived(engine, count)
@@ -325,7 +333,7 @@ def test_the_pipeline_with_your_ordering_and_a_held_host_keeps_every_gradient(mo
     engine = _engine(_config("fp16"))
     pipeline_ = engine.updating.pipeline
     count = len(pipeline_.grad_slots.buffers) + 1
-    with held_until_quiet(pipeline_.host, pipeline_.copy, after=count):
+    with held_until_quiet(pipeline_.host, pipeline_.down, after=count):
         _delivered(engine, count)
     pipeline_.wait()
     scale = engine.states.loss_scale()  # fp16: the host unscales as it accumulates

@@ -4,9 +4,9 @@ Module 3's step is serial: backward, then every gradient shard down (D2H), then 
 partition, then every weight shard up (H2D). While the CPU runs Adam the device idles, and while the device
 runs backward the CPU idles. Here each unit's shard moves through three queues as soon as it exists:
 
-    copy stream   D2H(k)   D2H(k+1)                                   (the link, down: a DMA engine on a GPU)
+    down stream   D2H(k)   D2H(k+1)                                   (the link, down: a DMA engine on a GPU)
     host queue             accumulate(k) -> Adam(k)                   (the CPU, on its own cores)
-    upload stream                                    H2D(k)           (the link, up: a second DMA engine)
+    up stream                                        H2D(k)           (the link, up: a second DMA engine)
     device        backward keeps going; the all-gathers wait for the step
 
 so bucket k's Adam runs while bucket k+1 is copied down and bucket k-1's weights go up. Gradients reach the
@@ -27,12 +27,13 @@ CUDA streams and the copies are asynchronous DMA from pinned memory; a CUDA stre
 without blocking the thread that asks, so there Adam runs at the step (each unit's upload still overlapping the
 next unit's Adam) rather than during backward.
 
-With the delayed update (dpu.py), the new weights go up during the next backward: early_uploads.py.
+`OffloadPipeline` owns the streams, the slots and the schedule, and three parts, each built in its constructor
+and handed what it needs with each call: the fp32 gradient partition and its state, DPU's kept gradients
+(host_gradients.py), and the delayed update's uploads during the next backward (early_uploads.py).
 """
 
 from __future__ import annotations
 
-import time
 import warnings
 
 import torch
@@ -44,7 +45,7 @@ from ..implementation.offload import HostAdam
 from ..implementation.transfers import host_buffer
 from ..implementation.updaters import Update
 from .early_uploads import EarlyUploads
-from .host_gradients import HostGradients
+from .host_gradients import GradientPartition, KeptGradients, PartitionState
 
 
 class HostQueue(WorkerStream):
@@ -106,10 +107,10 @@ def warn_pageable_copies(states, accel: Accelerator, keep_gradients: bool) -> No
         )
 
 
-class OffloadPipeline(EarlyUploads, HostGradients):
-    """Runs the offloaded part of a step (OffloadedStates' host units) through the copy stream (D2H), the host
-    queue and the upload stream (H2D). DPU's uploads during the next backward: early_uploads.py; where the
-    host's gradients go (the fp32 partition, or DPU's kept areas): host_gradients.py."""
+class OffloadPipeline:
+    """Runs the offloaded part of a step (OffloadedStates' host units) through the down stream (D2H), the host
+    queue and the up stream (H2D). One gradient: `receive` copies it down and queues the host's work on it
+    (`_queue_on_host`), which adds it up, or runs the unit's Adam and queues its upload (`_adam_then_upload`)."""
 
     def __init__(
         self,
@@ -118,6 +119,7 @@ class OffloadPipeline(EarlyUploads, HostGradients):
         *,
         host: HostQueue,
         host_adam: HostAdam,
+        timeline,
         needs_whole_gradient: bool,
         micro_batches: int,
         norm_in_adam: bool,
@@ -125,18 +127,21 @@ class OffloadPipeline(EarlyUploads, HostGradients):
         slots: int = 2,
         keep_gradients: bool = False,
     ):
-        """`needs_whole_gradient`: Adam must wait for backward's end (fp16's overflow check, clipping to the
-        global norm); `micro_batches`: gradient accumulation steps; `norm_in_adam`: the host's Adam sums each
-        unit's squared norm in its own pass (nothing to clip, so nothing needs the norm before Adam);
-        `keep_gradients`: the delayed update reads each step's gradients where they landed (host_gradients.py)."""
-        self.states, self.accel, self.host_adam = states, accel, host_adam
+        """`timeline`: where Adam's spans go; `needs_whole_gradient`: Adam must wait for backward's end (fp16's
+        overflow check, clipping to the global norm); `micro_batches`: gradient accumulation steps;
+        `norm_in_adam`: the host's Adam sums each unit's squared norm in its own pass (nothing to clip, so
+        nothing needs the norm before Adam); `keep_gradients`: the delayed update reads each step's gradients
+        where they landed (host_gradients.py)."""
+        self.states, self.transfers, self.host_adam = states, states.transfers, host_adam
+        self.timeline = timeline
         self.needs_whole_gradient, self.micro_batches = needs_whole_gradient, micro_batches
         # On the emulated device the copies are memcpy by a CPU core: the host's (`cores`), standing in for
         # the DMA engines, so that they do not take the device's compute core. One stream for each direction.
-        self.copy = accel.new_stream("zo-d2h", cores)
-        self.upload = accel.new_stream("zo-h2d", cores)
+        self.down = accel.new_stream("zo-d2h", cores)
+        self.up = accel.new_stream("zo-h2d", cores)
         self.host = host
-        largest = max((u.shard_numel for u in states.units[: states.host_units]), default=0)
+        units = states.units[: states.host_units]
+        largest = max((u.shard_numel for u in units), default=0)
         warn_pageable_copies(states, accel, keep_gradients)
 
         # Always pinned: a few units' worth, and from pageable memory no copy overlaps anything.
@@ -148,25 +153,38 @@ class OffloadPipeline(EarlyUploads, HostGradients):
         self.weight_slots = None
         if states.dtype != torch.float32 and not states.offload_param:
             self.weight_slots = ring(states.dtype)
-        self.eager = False  # Adam runs as each gradient arrives (decided at each backward: begin_backward)
-        self.final = False  # this backward is the last micro-batch before the step
+
+        # The parts: where the host's gradients go, and DPU's uploads during the next backward.
+        self.partition = GradientPartition(states.flat_grad, states.grad_shards, host)
+        # DPU with one micro-batch: each step's gradients in an area of their own.
+        self.kept = None
+        if keep_gradients:
+            sizes = [unit.shard_numel for unit in units]
+            pin, to_host = states.pin_optimizer, self.transfers.to_host
+            self.kept = KeptGradients(accel, sizes, states.dtype, pin=pin, to_host=to_host)
+        self.early = EarlyUploads(states.param_staging, states.param_shards, self.transfers.to_device)
+
+        # Decided at each backward (begin_backward): `eager`, Adam runs as each gradient arrives; `final`,
+        # this backward is the last micro-batch before the step.
+        self.eager = False
+        self.final = False
         # Eager with a single micro-batch and the C Adam: the gradient is never added anywhere, so Adam reads
         # the staging slot itself, and the fp32 gradient partition is neither written nor cleared.
         self.direct = False
-        self.grads = "undefined"  # the fp32 gradient partition's state: "zero", "dirty" (host_gradients.py)
-        self.squared_norms: dict[int, float] = {}  # unit -> squared norm of its complete gradient
+        # This step's gradients go to the kept areas.
+        self.keeping = False
+
+        # Unit -> squared norm of its complete gradient.
+        self.squared_norms: dict[int, float] = {}
         self.norm_in_adam = norm_in_adam
         self.clip_factor = 1.0
-        self._pending: list[Event] = []  # what must finish before the step can go on
-        self._alive: list[tuple[torch.Tensor, Event]] = []  # device shards whose copy may still read them
-        self.updated: set[int] = set()  # units whose Adam has been queued this step
+        # What must finish before the step can go on.
+        self._pending: list[Event] = []
+        # Device shards whose copy may still read them.
+        self._alive: list[tuple[torch.Tensor, Event]] = []
+        # Units whose Adam has been queued this step.
+        self.updated: set[int] = set()
         self.adam_seconds = 0.0
-        # DPU: the delayed update in flight, whose weights may go up unit by unit during the next backward.
-        self._early_after: Event | None = None
-        self.early: dict[int, Event] = {}  # unit -> the upload of its new weights, queued during backward
-
-        if keep_gradients:
-            self.keep_gradients()
         states.hand_gradients_to(self)
 
     def begin_backward(self, *, last: bool, delayed: bool) -> None:
@@ -174,31 +192,40 @@ class OffloadPipeline(EarlyUploads, HostGradients):
         `delayed`: the delayed update is on for this step (its Adam runs at the step, on a snapshot)."""
         self.final = last
         # Adam may start before backward has ended only if nothing needs the whole gradient first, and if the
-        # upload stream can wait for the host's Adam without blocking backward's thread (not a CUDA stream).
-        self.eager = (
-            last and not self.needs_whole_gradient and not delayed and self.upload.waits_without_blocking
-        )
+        # up stream can wait for the host's Adam without blocking backward's thread (not a CUDA stream).
+        self.eager = last and not self.needs_whole_gradient and not delayed and self.up.waits_without_blocking
         self.direct = self.host_adam.reads_low_precision_grads and self.micro_batches == 1
         self.keeping = self.kept is not None and delayed
 
     # -- backward: called by OffloadedStates as each reduced shard is ready -----------------------------------
-    def deliver(self, index: int, shard: torch.Tensor) -> None:
-        """Schedule unit `index`'s gradient shard: down the link, into the fp32 partition, and (eager) Adam."""
-        transfers = self.states.transfers
+    def receive(self, index: int, shard: torch.Tensor) -> None:
+        """Backward hands over unit `index`'s reduced shard: down the link, then into the fp32 partition and
+        (eager) Adam, or, under DPU, into this step's kept area."""
+        if self.early.update is not None and self.final:
+            # DPU: backward is done with this unit, so the delayed update's new weights may go up now.
+            self.early.upload(index, self.up)
+        if self.keeping:
+            # DPU: this step's gradient stays where it lands until the delayed Adam.
+            norms = self.squared_norms
+            copied, done = self.kept.receive(index, shard, down=self.down, host=self.host, norms=norms)
+            self._pending.append(done)
+            self._hold_until_copied(shard, copied)
+            return
         # Lab 5.1: the double-buffered bucket schedule
-        # 1. slot, staging = self.grad_slots.acquire(self.copy, shard.numel()): a free staging slot, with the
-        #    copy stream made to wait until it is free (Lab 5.2).
-        # 2. down = self.copy.submit(transfers.to_host, staging, shard, blocking=False): the D2H copy, on the
-        #    copy stream, so that backward goes on while it runs.
-        # 3. The host must not read the slot before the copy has landed: self.host.wait_event(down). Then
-        #    done = self._take_gradient(index, staging) queues the host's work on it (add it into the fp32
+        # The delayed update's two cases above are given; here is every other gradient's way to the host.
+        # 1. slot, staging = self.grad_slots.acquire(self.down, shard.numel()): a free staging slot, with the
+        #    down stream made to wait until it is free (Lab 5.2).
+        # 2. copied = self.down.submit(self.transfers.to_host, staging, shard, blocking=False): the D2H copy,
+        #    on the down stream, so that backward goes on while it runs.
+        # 3. The host must not read the slot before the copy has landed: self.host.wait_event(copied). Then
+        #    done = self._queue_on_host(index, staging) queues the host's work on it (add it into the fp32
         #    gradient partition; or, eager, run the unit's Adam and queue its upload) and returns the event of
         #    that work's last read of the slot.
         # 4. That work is the slot's last reader: self.grad_slots.release(slot, done). Keep the device shard
-        #    alive until the copy has read it: self._keep_until(shard, down).
+        #    alive until the copy has read it: self._hold_until_copied(shard, copied).
         raise NotImplementedError("Lab 5.1: the double-buffered bucket schedule")
 
-    def _keep_until(self, shard: torch.Tensor, copied: Event) -> None:
+    def _hold_until_copied(self, shard: torch.Tensor, copied: Event) -> None:
         """Hold the device shard until `copied` (a CUDA allocator would otherwise reuse memory a copy is still
         reading), and keep no more shards waiting than there are staging slots: when the host falls behind,
         backward waits here, as it would for device memory, rather than pile up gradients on the device."""
@@ -206,27 +233,36 @@ class OffloadPipeline(EarlyUploads, HostGradients):
         while len(self._alive) > len(self.grad_slots.buffers):
             self._alive.pop(0)[1].wait()
 
-    def _take_gradient(self, index: int, staging: torch.Tensor) -> Event:
+    def _queue_on_host(self, index: int, staging: torch.Tensor) -> Event:
         """Queue the host's work on a gradient that has arrived in `staging`; the event of its last read."""
-        if self._early_after is not None and self.final:
-            self._upload_early(index)
-        if self.eager and self.direct:  # nothing to add it to: Adam reads the slot itself
-            return self._update_unit(index, grad=staging)
-        self._clear_grads_if("undefined")
-        done = self.host.submit(self._accumulate, index, staging, 1.0 / self.states.loss_scale())
+        if self.eager and self.direct:
+            # Nothing to add it to: Adam reads the slot itself.
+            return self._adam_then_upload(index, grad=staging)
+        self._clear_partition_if(PartitionState.UNDEFINED)
+        # The gradient is complete after this add: its share of the global norm, here rather than at the step
+        # (unless the C Adam sums it on its way through).
+        norms = self.squared_norms if self.final and not self.norm_in_adam else None
+        done = self.partition.add(index, staging, 1.0 / self.states.loss_scale(), norms)
         self._pending.append(done)
-        self.grads = "dirty"
         if self.eager:
-            self._update_unit(index)
+            self._adam_then_upload(index)
         return done
 
-    def _accumulate(self, index: int, staging: torch.Tensor, inv_scale: float) -> None:
-        grad = self.states.grad_shards[index]
-        grad.add_(staging, alpha=inv_scale)
-        # The gradient is complete: its share of the global norm, here rather than at the step (unless the C
-        # Adam sums it on its way through).
-        if self.final and not self.norm_in_adam:
-            self.squared_norms[index] = squared_norm(grad)
+    def _clear_partition_if(self, state: PartitionState) -> None:
+        cleared = self.partition.clear_if(state)
+        if cleared is not None:
+            self._pending.append(cleared)
+
+    def define_gradients(self) -> None:
+        """Before the step reads the fp32 partition: a unit no gradient reached this step reads zeros there, not
+        memory that a direct run (which never writes the partition) left as it was allocated."""
+        if self.partition.state is PartitionState.UNDEFINED and len(self.updated) < self.states.host_units:
+            self._clear_partition_if(PartitionState.UNDEFINED)
+            self.wait()
+
+    def zero_grad(self) -> None:
+        """Clear the host's fp32 gradients on the host queue, behind this step's work, while forward runs."""
+        self._clear_partition_if(PartitionState.DIRTY)
 
     # -- the step ------------------------------------------------------------------------------------------
     def update(self, grads: list[torch.Tensor], clip_factor: float, norms: list | None = None) -> Update:
@@ -237,70 +273,82 @@ class OffloadPipeline(EarlyUploads, HostGradients):
         (published_units), so publish() is told nothing was rounded for it."""
         self.clip_factor = clip_factor
         missed = [i for i in range(self.states.host_units) if i not in self.updated]
-        if missed:  # a unit no gradient reached (unused this step) reads zeros, as in the serial step
-            self._clear_grads_if("undefined")
+        if missed:
+            # A unit no gradient reached (unused this step) reads zeros, as in the serial step.
+            self._clear_partition_if(PartitionState.UNDEFINED)
         for index in missed:
-            self._update_unit(index)
+            self._adam_then_upload(index)
         self.wait()
         if norms is not None:
             norms += [self.squared_norms[i] for i in range(self.states.host_units)]
         return Update(self.adam_seconds)
 
-    def _update_unit(self, index: int, grad: torch.Tensor | None = None) -> Event:
-        """Queue Adam on unit `index` behind what the host queue already holds, then its weights' upload;
-        the event of Adam. `grad`: a staging slot Adam reads directly (module 4's C Adam only)."""
+    def _adam_then_upload(self, index: int, grad: torch.Tensor | None = None) -> Event:
+        """Queue Adam on unit `index` behind what the host queue already holds, then its weights' upload on the
+        up stream; the event of Adam. `grad`: a staging slot Adam reads directly (module 4's C Adam only)."""
         states = self.states
         self.updated.add(index)
         slot, out = None, None
         if states.offload_param:
-            out = states.param_shards[index]  # the weights live on the host: rounded in place, gathered later
-        elif self.weight_slots is not None:  # fp16/bf16: rounded into an upload slot in the same pass
+            # The weights live on the host: rounded in place, gathered later.
+            out = states.param_shards[index]
+        elif self.weight_slots is not None:
+            # fp16/bf16: rounded into an upload slot in the same pass.
             slot, out = self.weight_slots.acquire(self.host, states.units[index].shard_numel)
         adam = self.host.submit(self._adam, index, out, grad)
         self._pending.append(adam)
         if not states.offload_param:
-            self.upload.wait_event(adam)  # on CUDA this blocks until Adam is done: see the engine's `eager`
-            source = out if out is not None else states.master_params[index]  # fp32: the master itself
-            up = self._upload(index, source)
+            # On CUDA this blocks until Adam is done: see the engine's `eager`.
+            self.up.wait_event(adam)
+            # fp32 weights go up from the master itself.
+            source = out if out is not None else states.master_params[index]
+            target = states.param_shards[index]
+            uploaded = self.up.submit(self.transfers.to_device, target, source, blocking=False)
             if slot is not None:
-                self.weight_slots.release(slot, up)  # before the slot's next acquire, which must wait for it
-            self._pending.append(up)
+                # Before the slot's next acquire, which must wait for it.
+                self.weight_slots.release(slot, uploaded)
+            self._pending.append(uploaded)
         return adam
 
-    def _upload(self, index: int, source: torch.Tensor) -> Event:
-        """Unit `index`'s new weights from host `source` into its device shard, on the upload stream."""
-        target = self.states.param_shards[index]
-        return self.upload.submit(self.states.transfers.to_device, target, source, blocking=False)
+    def _adam(self, index: int, out: torch.Tensor | None, staged: torch.Tensor | None = None) -> None:
+        master, grad = self.states.master_params[index], self.partition.shards[index]
+        with self.timeline.adam() as clock:
+            if staged is not None:
+                # Straight from the slot: the gradient is this micro-batch's, loss scale 1.
+                grad = staged
+                if not self.norm_in_adam:
+                    self.squared_norms[index] = squared_norm(grad)
+            squares = self.host_adam.update(master, grad, out, self.clip_factor, norm=self.norm_in_adam)
+            if squares is not None:
+                self.squared_norms[index] = squares
+        self.adam_seconds += clock.seconds
 
     def staging_buffers(self) -> list[torch.Tensor]:
         """The host buffers this pipeline holds beyond the model states: its gradient and weight slots, and
         the delayed update's two areas; what the memory report counts as host staging."""
         buffers = list(self.grad_slots.buffers)
         buffers += self.weight_slots.buffers if self.weight_slots is not None else []
-        buffers += [region for area in self.kept or [] for region in area]
+        buffers += self.kept.buffers() if self.kept is not None else []
         return buffers
 
-    # -- what publish() leaves alone (DPU's uploads during the next backward: early_uploads.py) ---------------
+    # -- the delayed update (dpu.py): its gradients and its uploads during the next backward -----------------
+    def kept_gradients(self) -> list[torch.Tensor]:
+        """The gradients this step's backward kept, for the delayed Adam to read (host_gradients.py)."""
+        return self.kept.gradients()
+
+    def upload_during_backward(self, update: Event) -> None:
+        """`update`, the delayed Adam just launched, rewrites every host unit's weights: each may go up as soon
+        as the next backward is done with it (early_uploads.py)."""
+        self.early.start(update)
+
+    def take_early_uploads(self) -> set[int]:
+        """Wait for the uploads queued during backward and forget them; the units they covered."""
+        return self.early.take()
+
     def published_units(self) -> set[int]:
         """The units whose new weights this step already went where forward reads them (rounded, and uploaded
         unless they live on the host): publish() leaves them alone."""
         return self.take_early_uploads() | self.updated
-
-    def _adam(self, index: int, out: torch.Tensor | None, staged: torch.Tensor | None = None) -> None:
-        states = self.states
-        master, grad = states.master_params[index], states.grad_shards[index]
-        start = time.perf_counter()
-        if staged is not None:  # straight from the slot: the gradient is this micro-batch's, loss scale 1
-            grad = staged
-            if not self.norm_in_adam:
-                self.squared_norms[index] = squared_norm(grad)
-        squares = self.host_adam.update(master, grad, out, self.clip_factor, norm=self.norm_in_adam)
-        if squares is not None:
-            self.squared_norms[index] = squares
-        end = time.perf_counter()
-        self.adam_seconds += end - start
-        if states.transfers.timeline is not None:
-            states.transfers.timeline.add("Adam", start, end)
 
     def wait(self) -> None:
         """Block until everything scheduled has finished; an error raised on a queue surfaces here."""
@@ -316,4 +364,5 @@ class OffloadPipeline(EarlyUploads, HostGradients):
         self.updated = set()
         self.squared_norms = {}
         self.adam_seconds = 0.0
-        self.next_area()
+        if self.kept is not None:
+            self.kept.next_area(kept=self.keeping)

@@ -128,14 +128,14 @@ class DelayedUpdater:
         states, host_adam, timeline = self.states, self.host_adam, self.timeline
 
         def adam(snapshot):  # runs on the host queue while forward and backward of the next step run
-            with timeline.span("Adam"):  # the whole partition is the host's: DPU refuses a partial offload
+            with timeline.adam():  # the whole partition is the host's: DPU refuses a partial offload
                 self.rounded = host_adam.step(states, snapshot, clip_factor)
 
         self.update.step(grads, adam, self.publish, skip=skip)
         pipeline, in_flight = self.pipeline, self.update.in_flight
-        # Early uploads wait for the host's Adam on the upload stream: only where that does not block backward,
+        # Early uploads wait for the host's Adam on the up stream: only where that does not block backward,
         # and only where that Adam rounds into the staging buffers itself.
-        early = pipeline is not None and host_adam.rounds_in_pass and pipeline.upload.waits_without_blocking
+        early = pipeline is not None and host_adam.rounds_in_pass and pipeline.up.waits_without_blocking
         if early and in_flight is not None:
             pipeline.upload_during_backward(in_flight)
 

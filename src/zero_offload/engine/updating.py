@@ -84,6 +84,7 @@ class Updating:
                 accel,
                 host=self.host_queue,
                 host_adam=self.host_adam,
+                timeline=timeline,
                 needs_whole_gradient=config.fp16.enabled or config.gradient_clipping > 0,
                 micro_batches=config.gradient_accumulation_steps,
                 norm_in_adam=norm_in_adam,
@@ -220,7 +221,7 @@ class Updating:
         """Stop the host queue and the pipeline's streams, after running what is queued on them."""
         streams = [self.host_queue]
         if self.pipeline is not None:
-            streams += [self.pipeline.copy, self.pipeline.upload]
+            streams += [self.pipeline.down, self.pipeline.up]
         for stream in streams:
             if stream is not None:
                 stream.close()

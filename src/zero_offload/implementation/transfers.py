@@ -45,7 +45,7 @@ class Transfers:
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, blocking: bool = True) -> None:
         """Copy `src` (device) into `dst` (host). Blocking by default, because the CPU reads `dst` right after;
-        module 5's pipeline passes blocking=False and waits for the copy stream's event instead."""
+        module 5's pipeline passes blocking=False and waits for its down stream's event instead."""
         self._check(dst, src, "d2h")
         start = self._mark("D2H")
         self.accel.copy_(dst, src, non_blocking=not blocking)

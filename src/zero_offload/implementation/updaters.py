@@ -18,7 +18,6 @@ Adam sums it (`norm_in_adam`: nothing to clip, so nothing needs the norm before 
 
 from __future__ import annotations
 
-import time
 from typing import NamedTuple
 
 import torch
@@ -45,18 +44,15 @@ class SerialUpdater:
 
     def update(self, grads: list[torch.Tensor], clip_factor: float, norms: list | None = None) -> Update:
         """Adam over the units with their fp32 gradients; the seconds it took, and whether it rounded."""
-        start = time.perf_counter()
         mine = grads[: self.units]
         answers = []  # the queue's events carry no value: the Adam's answer comes back through this list
 
         def adam() -> None:
             answers.append(self.adam.step(self.states, mine, clip_factor, norms=norms))
 
-        if self.queue is not None:  # the device waits meanwhile
-            self.queue.submit(adam).wait()
-        else:
-            adam()
-        rounded = answers[0]
-        end = time.perf_counter()
-        self.timeline.add("Adam", start, end)
-        return Update(end - start, rounded)
+        with self.timeline.adam() as clock:
+            if self.queue is not None:  # the device waits meanwhile
+                self.queue.submit(adam).wait()
+            else:
+                adam()
+        return Update(clock.seconds, answers[0])

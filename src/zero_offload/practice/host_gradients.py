@@ -1,8 +1,14 @@
 """Where module 5's pipeline puts the host's gradients: the fp32 partition, or, for DPU, areas of their own.
 
-The fp32 partition (OffloadedStates.grad_shards) is where gradients are added up: it is "undefined" as
-allocated (never touched, so it takes no memory until used; a direct run never uses it), "zero", or "dirty"
-once something was added into it, and it is cleared on the host queue, behind the step's work.
+OffloadPipeline (pipeline.py) owns one `GradientPartition` and, when the delayed update keeps its gradients, one
+`KeptGradients`, each built with the buffers it holds. They queue their work where they are told (the partition
+on the host queue it was built with, the kept areas on the streams each call hands them) and return its events:
+the pipeline waits for those before the step goes on.
+
+The fp32 partition (OffloadedStates.grad_shards) is where gradients are added up. Its state is one of
+`PartitionState`: UNDEFINED as allocated (never touched, so it takes no memory until used; a direct run never
+uses it), ZERO, or DIRTY once something was added into it. It is cleared on the host queue, behind the step's
+work.
 
 DPU with one micro-batch: each gradient keeps a place of its own until its Adam.
 
@@ -27,91 +33,103 @@ and its overflow is checked, in the fp32 partition.
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
+
 import torch
 
+from ..accelerator.streams import Event
 from ..basics.norm import squared_norm
 from ..implementation.transfers import host_buffer
 
 
-class HostGradients:
-    """The fp32 partition's state and DPU's two areas, for OffloadPipeline (which provides `states`, `accel`,
-    `grads`, `updated`, `deliver`, the `copy` and `host` streams, `squared_norms`, `_pending`, `wait`,
-    `_keep_until` and `_upload_early`)."""
+class PartitionState(enum.Enum):
+    UNDEFINED = "as allocated: never written, so what it holds is whatever the memory held"
+    ZERO = "cleared (or queued to be, on the host queue)"
+    DIRTY = "a gradient was added into it since it was last cleared"
 
-    kept: list[list[torch.Tensor]] | None = None  # area -> one region per host unit
-    keeping = False  # this step's gradients go to the areas (decided at each backward)
-    area = 0  # the area this step's backward writes
-    landed: frozenset[int] = frozenset()  # the units whose gradient this step's backward kept
 
-    def define_gradients(self) -> None:
-        """Before the step reads the fp32 partition: a unit no gradient reached this step reads zeros there, not
-        memory that a direct run (which never writes the partition) left as it was allocated."""
-        if self.grads == "undefined" and len(self.updated) < self.states.host_units:
-            self._clear_grads_if("undefined")
-            self.wait()
+class GradientPartition:
+    """The host's fp32 gradient partition: `flat`, seen as one shard per unit (`shards`), written only by tasks
+    on the `host` queue, so that every write is ordered behind the work already queued there (Adam included)."""
 
-    def zero_grad(self) -> None:
-        """Clear the host's fp32 gradients on the host queue, behind this step's work, while forward runs."""
-        self._clear_grads_if("dirty")
+    def __init__(self, flat: torch.Tensor, shards: list[torch.Tensor], host):
+        self.flat, self.shards, self.host = flat, shards, host
+        self.state = PartitionState.UNDEFINED
 
-    def _clear_grads_if(self, state: str) -> None:
-        if self.grads == state:
-            self._pending.append(self.host.submit(self.states.flat_grad.zero_))
-            self.grads = "zero"
+    def clear_if(self, state: PartitionState) -> Event | None:
+        """Queue the partition's clearing if it is in `state`; the event of that, or None if nothing was queued."""
+        if self.state is not state:
+            return None
+        self.state = PartitionState.ZERO
+        return self.host.submit(self.flat.zero_)
 
-    def receive(self, index: int, shard: torch.Tensor) -> None:
-        """Backward hands over unit `index`'s reduced shard: into this step's area under DPU, else `deliver`."""
-        if self.keeping:  # DPU: this step's gradient stays where it lands until the delayed Adam
-            self._deliver_kept(index, shard)
-        else:
-            self.deliver(index, shard)
+    def add(self, index: int, staging: torch.Tensor, inv_scale: float, norms: dict | None) -> Event:
+        """Queue `staging` x `inv_scale` added into unit `index`'s shard (call clear_if(UNDEFINED) first). If the
+        gradient is then complete, `norms` is given: its squared norm goes there, while the shard is in cache."""
+        self.state = PartitionState.DIRTY
+        return self.host.submit(self._add, index, staging, inv_scale, norms)
 
-    # -- DPU's kept gradients --------------------------------------------------------------------------------
-    def keep_gradients(self) -> None:
-        """Allocate the two areas (call once, when the delayed update runs with one micro-batch)."""
-        states = self.states
-        sizes = [unit.shard_numel for unit in states.units[: states.host_units]]
-        self.kept = []
-        for _ in range(2):
-            flat = host_buffer(self.accel, sum(sizes), states.dtype, pin=states.pin_optimizer)
-            self.kept.append(list(flat.split(sizes)))
+    def _add(self, index: int, staging: torch.Tensor, inv_scale: float, norms: dict | None) -> None:
+        grad = self.shards[index]
+        grad.add_(staging, alpha=inv_scale)
+        if norms is not None:
+            norms[index] = squared_norm(grad)
 
-    def _deliver_kept(self, index: int, shard: torch.Tensor) -> None:
-        """Unit `index`'s gradient down the link into its region of this step's area; its norm on the host."""
-        region = self.kept[self.area][index]
+
+class KeptGradients:
+    """DPU's two areas, each one region per host unit (`sizes` elements each, in `dtype`), taking turns a step each.
+
+    `to_host(dst, src, blocking=...)` copies down the link (Transfers.to_host: it counts the bytes, and times
+    the copy on the timeline)."""
+
+    def __init__(self, accel, sizes: list[int], dtype: torch.dtype, *, pin: bool, to_host: Callable):
+        self.areas = [list(host_buffer(accel, sum(sizes), dtype, pin=pin).split(sizes)) for _ in range(2)]
+        self.to_host = to_host
+        # The area this step's backward writes.
+        self.area = 0
+        # The units whose gradient this step's backward kept.
+        self.landed: frozenset[int] = frozenset()
+
+    def receive(self, index: int, shard: torch.Tensor, *, down, host, norms: dict) -> tuple[Event, Event]:
+        """Unit `index`'s gradient down the `down` stream into its region of this step's area, and its squared
+        norm into `norms`; the events of the copy (its last read of `shard`) and of the norm."""
+        region = self.areas[self.area][index]
         self.landed = self.landed | {index}
         # The norm is summed here, never inside the delayed Adam: DPU reports it before that Adam runs
         # (updating.wants_norm_in_adam is false under DPU).
-        if self.copy.runs_on_host:  # emulated: the copy's own thread sums the region while it is in cache
-            down = self.copy.submit(self._copy_and_norm, index, region, shard)
-            self._pending.append(down)
-        else:  # CUDA: the host reads the region once the copy has landed
-            down = self.copy.submit(self.states.transfers.to_host, region, shard, blocking=False)
-            self.host.wait_event(down)
-            self._pending.append(self.host.submit(self._kept_norm, index, region))
-        if self._early_after is not None:
-            self._upload_early(index)
-        self._keep_until(shard, down)
+        if down.runs_on_host:
+            # Emulated: one task instead of two, one hand-over less between threads, and the copy's own thread
+            # sums the region while it is still in cache.
+            copied = down.submit(self._copy_and_norm, index, region, shard, norms)
+            return copied, copied
+        # CUDA: the host reads the region once the copy has landed.
+        copied = down.submit(self.to_host, region, shard, blocking=False)
+        host.wait_event(copied)
+        return copied, host.submit(self._norm, index, region, norms)
 
-    def _kept_norm(self, index: int, region: torch.Tensor) -> None:
-        self.squared_norms[index] = squared_norm(region)
+    def _copy_and_norm(self, index: int, region: torch.Tensor, shard: torch.Tensor, norms: dict) -> None:
+        self.to_host(region, shard, blocking=False)
+        self._norm(index, region, norms)
 
-    def _copy_and_norm(self, index: int, region: torch.Tensor, shard: torch.Tensor) -> None:
-        # One task instead of two: one hand-over less between threads, and the sum reads what the copy just wrote.
-        self.states.transfers.to_host(region, shard, blocking=False)
-        self._kept_norm(index, region)
+    @staticmethod
+    def _norm(index: int, region: torch.Tensor, norms: dict) -> None:
+        norms[index] = squared_norm(region)
 
-    def kept_gradients(self) -> list[torch.Tensor]:
+    def gradients(self) -> list[torch.Tensor]:
         """The gradients this step's backward kept, one per host unit, for the delayed Adam to read. A unit no
         gradient reached this step (unused) still holds one from two steps ago: it reads zeros instead, as in
         the serial step. Nothing else reads the area now: its last Adam has finished."""
-        regions = self.kept[self.area]
+        regions = self.areas[self.area]
         for index in set(range(len(regions))) - self.landed:
             regions[index].zero_()
         return regions
 
-    def next_area(self) -> None:
-        """At the end of a step: the next backward writes the other area."""
-        if self.keeping:
+    def next_area(self, *, kept: bool) -> None:
+        """At the end of a step: the next backward writes the other area, if this step's gradients were `kept`."""
+        if kept:
             self.area = 1 - self.area
         self.landed = frozenset()
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [region for area in self.areas for region in area]

@@ -283,8 +283,6 @@ class NVMeUpdater:
         self.states, self.adam, self.timeline = states, adam, timeline
 
     def update(self, grads: list[torch.Tensor], clip_factor: float, norms=None) -> Update:
-        start = time.perf_counter()
-        self.states.step(self.adam, grads, clip_factor)
-        end = time.perf_counter()
-        self.timeline.add("Adam", start, end)
-        return Update(end - start, rounded=True)  # each sub-group was rounded before it left its slot
+        with self.timeline.adam() as clock:
+            self.states.step(self.adam, grads, clip_factor)
+        return Update(clock.seconds, rounded=True)  # each sub-group was rounded before it left its slot

@@ -43,6 +43,13 @@ from .spans import DEVICE_STAGES, STAGES, Span
 from .timeline_plots import plot_timeline
 
 
+@dataclass
+class AdamClock:
+    """What `Timeline.adam()` measured: how long its Adam ran (set when the block ends)."""
+
+    seconds: float = 0.0
+
+
 @dataclass(frozen=True)
 class _Pending:
     """A device span whose events may not have happened yet: resolved into a Span when the spans are read."""
@@ -130,6 +137,20 @@ class Timeline:
             yield
         finally:
             self.finish(stage, start)
+
+    @contextmanager
+    def adam(self):
+        """Time the optimizer's Adam: its span here, and the seconds it ran on the `AdamClock` this yields
+        (the step's report gives them as adam_seconds). Every updater's Adam is timed by this one stopwatch,
+        on the host's clock: the host runs the offloaded Adam, and the device's Adam is launched from it."""
+        clock = AdamClock()
+        start = time.perf_counter()
+        try:
+            yield clock
+        finally:
+            end = time.perf_counter()
+            clock.seconds = end - start
+            self.add("Adam", start, end)
 
     def until_done(self, stage: str, start: float | torch.cuda.Event, work):
         """A collective launched at `start` (a `mark`): its span ends now if it ran synchronously (`work` is

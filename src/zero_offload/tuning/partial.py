@@ -46,7 +46,7 @@ class DevicePartUpdater:
         self.states, self.optimizer, self.first, self.timeline = states, optimizer, first_unit, timeline
 
     def update(self, grads: list[torch.Tensor], clip_factor: float, norms=None) -> Update:
-        with self.timeline.span("Adam"):
+        with self.timeline.adam():
             masters = self.states.master_params[self.first :]
             adam_step(self.optimizer, masters, grads[self.first :], clip_factor)
         return Update(0.0)  # what the report calls Adam's seconds is the host's; publish() rounds these units
