@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zero_offload as zo
-from zero_offload.accelerator import Accelerator, CudaAccelerator, EmulatedAccelerator
+from zero_offload.accelerator import Accelerator, CudaAccelerator, EmulatedAccelerator, hinted_oom
 from zero_offload.basics.memory import (
     MemoryLedger,
     MemoryReport,
@@ -108,8 +108,31 @@ def test_stage3_gather_out_of_memory_names_the_fix(fake_cuda, monkeypatch):
     monkeypatch.setattr(torch.UntypedStorage, "resize_", _cuda_oom)
     with pytest.raises(torch.OutOfMemoryError) as err:
         accel.restore_storage(torch.zeros(4), "parameters")
-    assert "Tried to allocate 2.00 GiB" in str(err.value)
-    assert '"stage": 3' in str(err.value) and "offload_param" in str(err.value)
+    message = str(err.value)
+    assert (
+        "Tried to allocate 2.00 GiB" in message and "While allocating 16 B of gathered_parameters" in message
+    )
+    assert "stage3_prefetch_bucket_size" in message and "offload_param" in message
+    assert f"The device holds {format_bytes(3 * MiB)}" in message  # fake_cuda's memory_allocated
+    assert "Tried to allocate 2.00 GiB" in str(err.value.__cause__)  # torch's own error, chained
+
+
+def test_device_allocation_out_of_memory_names_what_and_how_much(fake_cuda, monkeypatch):
+    accel = CudaAccelerator(capacity=2**29, index=0)
+    real_empty = torch.empty
+
+    def empty(*args, device=None, **kwargs):
+        if device is not None:
+            _cuda_oom()
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        accel.empty((4, MiB), torch.float16, category="buckets")
+    message = str(err.value)
+    assert "While allocating 8.00 MiB of buckets" in message and "reduce_bucket_size" in message
+    assert "budget 512.00 MiB" in message and "\n" not in message  # one paragraph
+    assert type(err.value) is torch.OutOfMemoryError and err.value.__cause__ is not None
 
 
 def test_activation_out_of_memory_names_the_fix_once(fake_cuda):
@@ -117,12 +140,79 @@ def test_activation_out_of_memory_names_the_fix_once(fake_cuda):
     with pytest.raises(torch.OutOfMemoryError) as err, accel.activations(torch.float16):
         _cuda_oom()
     assert "train_micro_batch_size_per_gpu" in str(err.value)
-    # An allocation that named its own category keeps that hint.
+    # An allocation that named its own category keeps that hint, passing through the activations' wrapper.
+    gradients = hinted_oom(torch.OutOfMemoryError("CUDA out of memory."), "gradients")
     with pytest.raises(torch.OutOfMemoryError) as err, accel.activations(torch.float16):
-        raise torch.OutOfMemoryError("CUDA out of memory.\nWhile allocating gradients. Hint: partition them.")
-    assert str(err.value).count("Hint:") == 1 and "gradients" in str(err.value)
+        raise gradients
+    assert err.value is gradients and str(err.value).count("Hint:") == 1
     with accel.activations(torch.float16):  # no error: nothing to do
         pass
+
+
+# The four places a run on the emulated device runs out, each with a budget just too small for it.
+def _two_layers():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+
+
+_FP16 = {
+    "train_batch_size": 1,
+    "fp16": {"enabled": True},
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+}
+
+
+def _hinted(err, *knobs: str) -> str:
+    message = str(err.value)
+    assert isinstance(err.value, torch.OutOfMemoryError)
+    # Raised again with the hint, of the original's type, chained to the original (the budget's bare text).
+    assert type(err.value) is type(err.value.__cause__) and err.value.__cause__ is not err.value
+    assert "Hint:" not in str(err.value.__cause__) and message.startswith(str(err.value.__cause__))
+    assert message.count("Hint:") == 1 and "\n" not in message
+    for knob in knobs:
+        assert knob in message
+    return message
+
+
+def test_a_bucket_out_of_memory_in_backward_names_the_bucket_size():
+    accel = EmulatedAccelerator()
+    engine = zo.initialize(_two_layers(), {**_FP16, "zero_optimization": {"stage": 2}}, accelerator=accel)
+    loss = engine(torch.ones(1, 256)).float().sum()
+    accel.capacity = accel.memory_stats().in_use  # full: the first gradient bucket does not fit
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        engine.backward(loss)
+    message = _hinted(err, "reduce_bucket_size", "for buckets")
+    assert "train_micro_batch_size_per_gpu" not in message  # backward's own hint did not wrap it again
+    engine.close()
+
+
+def test_a_stage3_gather_out_of_memory_names_the_prefetch_size():
+    accel = EmulatedAccelerator()
+    engine = zo.initialize(_two_layers(), {**_FP16, "zero_optimization": {"stage": 3}}, accelerator=accel)
+    accel.capacity = accel.memory_stats().in_use
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        engine(torch.ones(1, 256))
+    _hinted(err, "stage3_prefetch_bucket_size", "offload_param", "gathered_parameters")
+    engine.close()
+
+
+def test_a_master_weight_out_of_memory_names_the_optimizer_offload():
+    weights = 2 * sum(p.numel() for p in _two_layers().parameters())
+    # Room for the fp16 weights and gradients, not for the fp32 master weights.
+    accel = EmulatedAccelerator(capacity=2 * weights + 1024)
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        zo.initialize(_two_layers(), _FP16, accelerator=accel)
+    _hinted(err, "master_weights", '"offload_optimizer": {"device": "cpu"}')
+
+
+def test_a_forward_out_of_memory_names_the_micro_batch_and_checkpointing():
+    accel = EmulatedAccelerator()
+    engine = zo.initialize(_two_layers(), _FP16, accelerator=accel)
+    accel.capacity = accel.memory_stats().in_use  # the model states fill it: no room for an activation
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        engine(torch.ones(1, 256))
+    _hinted(err, "for activations", "train_micro_batch_size_per_gpu", "activation_checkpointing")
+    engine.close()
 
 
 class _RunsOutInBackward(torch.autograd.Function):

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..accelerator.host_allocator import plan_of
 from ..units import format_bytes
 
 TIERS = ("device", "host", "nvme")
@@ -155,7 +156,12 @@ def pinned_block_bytes(nbytes: int) -> int:
 
 
 def held_bytes(tensor: torch.Tensor) -> int:
-    """Bytes the storage of `tensor` really holds: its size, rounded as the pinned allocator rounds it."""
+    """Bytes the storage of `tensor` really holds. A pinned buffer made by an accelerator: what its plan locks
+    (accelerator/host_allocator.py's `pinned_plan`; on the emulated device, what a GPU would lock). Other pinned
+    memory: rounded as torch's pinned allocator rounds it."""
+    plan = plan_of(tensor) if tensor.device.type == "cpu" else None
+    if plan is not None:
+        return plan.locked_bytes
     nbytes = tensor.untyped_storage().nbytes()
     return pinned_block_bytes(nbytes) if tensor.device.type == "cpu" and tensor.is_pinned() else nbytes
 
