@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -9,6 +11,14 @@ import torch
 
 import zero_offload as zo
 from zero_offload.accelerator import Accelerator, CudaAccelerator, EmulatedAccelerator, hinted_oom
+from zero_offload.accelerator.host_allocator import (
+    PAGE,
+    REGISTER_FROM,
+    PinPlan,
+    locked_host_bytes,
+    pinned_plan,
+    plan_of,
+)
 from zero_offload.basics.memory import (
     MemoryLedger,
     MemoryReport,
@@ -18,6 +28,7 @@ from zero_offload.basics.memory import (
 )
 from zero_offload.engine.model_setup import resident_dtype
 from zero_offload.implementation.offload import OffloadedStates
+from zero_offload.implementation.transfers import host_buffer
 from zero_offload.units import format_bytes
 
 MiB = 2**20
@@ -280,6 +291,133 @@ def test_ledger_and_staging_count_pinned_buffers_rounded(monkeypatch):
         param_staging=[torch.empty(50, dtype=torch.float16)],  # 100 bytes
     )
     assert OffloadedStates.host_staging_bytes(states) == 1024 + 128
+
+
+# -- N6: a pinned buffer locks about its own size, not the next power of two ---------------------------------------
+def test_a_large_pinned_buffer_locks_its_size_not_the_next_power_of_two():
+    request = 4_400_000_000  # a 1.1B-parameter fp32 flat buffer
+    assert pinned_block_bytes(request) == 8 * 2**30  # what torch's caching allocator would lock
+    plan = pinned_plan(request)
+    assert plan.method == "register" and plan.requested == request
+    assert request <= plan.locked_bytes < request + PAGE and plan.locked_bytes % PAGE == 0
+
+
+def test_small_pinned_buffers_keep_the_caching_allocator_which_wastes_less_than_their_size():
+    assert pinned_plan(1000) == PinPlan("caching", 1000, 1024)
+    largest_cached = pinned_plan(REGISTER_FROM - 1)
+    assert largest_cached.method == "caching" and largest_cached.locked_bytes == REGISTER_FROM
+    assert pinned_plan(REGISTER_FROM).method == "register"
+    assert pinned_plan(0).locked_bytes == 0
+    with pytest.raises(ValueError):
+        pinned_plan(-1)
+
+
+class _FakeCudart:
+    """torch.cuda.cudart()'s page-locking calls, recorded; `fail` makes cudaHostRegister fail as at ulimit -l."""
+
+    def __init__(self, fail: bool = False):
+        self.calls, self.fail = [], fail
+
+    def cudaHostRegister(self, address, nbytes, flags):
+        self.calls.append(("register", address, nbytes))
+        return 2 if self.fail else 0  # cudaErrorMemoryAllocation
+
+    def cudaHostUnregister(self, address):
+        ctypes.string_at(address, 1)  # the pages must still be mapped when they are unlocked
+        self.calls.append(("unregister", address))
+        return 0
+
+    def cudaGetErrorString(self, code):
+        return "out of memory"
+
+
+def test_a_large_buffer_on_a_gpu_is_locked_in_place_and_unlocked_when_its_last_view_dies(
+    fake_cuda, monkeypatch
+):
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    accel = CudaAccelerator(index=0)
+    locked_before = locked_host_bytes()
+    numel = REGISTER_FROM // 2 + 3  # fp16: just over REGISTER_FROM bytes, not a whole number of pages
+    buffer = host_buffer(accel, numel, torch.float16, pin=True)
+    ((call, address, nbytes),) = cudart.calls
+    assert (call, address, nbytes) == ("register", buffer.data_ptr(), 2 * numel) and address % PAGE == 0
+    assert plan_of(buffer) == pinned_plan(2 * numel) and plan_of(buffer).method == "register"
+    assert held_bytes(buffer) == pinned_plan(2 * numel).locked_bytes < 2 * numel + PAGE
+    assert locked_host_bytes() - locked_before == held_bytes(buffer)
+    assert buffer.shape == (numel,) and not buffer.any()  # zeroed, as host_buffer promises
+    view = buffer[10:20]
+    del buffer
+    gc.collect()
+    assert len(cudart.calls) == 1, "a live view keeps the pages locked"
+    del view
+    gc.collect()
+    assert cudart.calls[-1] == ("unregister", address)
+    assert locked_host_bytes() == locked_before
+
+
+def test_a_gpu_buffer_that_cannot_be_locked_falls_back_to_pageable_memory(fake_cuda, monkeypatch):
+    from zero_offload.accelerator import cuda
+
+    cudart, taken = _FakeCudart(fail=True), []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(cuda, "_take_last_error", taken.append)
+    accel = CudaAccelerator(index=0)
+    with pytest.warns(UserWarning, match="could not pin host memory.*cudaHostRegister.*out of memory"):
+        buffer = host_buffer(accel, REGISTER_FROM, torch.uint8, pin=True)
+    assert [c[0] for c in cudart.calls] == ["register"]  # nothing locked, so nothing to unlock
+    assert taken == [accel.device]  # CUDA's last error was cleared
+    assert plan_of(buffer) is None and held_bytes(buffer) == REGISTER_FROM and buffer.numel() == REGISTER_FROM
+
+
+def test_the_emulated_device_counts_the_bytes_a_gpu_would_lock():
+    accel = EmulatedAccelerator()
+    large = host_buffer(accel, REGISTER_FROM + 1, torch.uint8, pin=True)
+    small = host_buffer(accel, 3000, torch.uint8, pin=True)
+    pageable = host_buffer(accel, 3000, torch.uint8, pin=False)
+    assert accel.is_pinned(large) and not large.is_pinned()  # asked for as pinned; nothing is really locked
+    assert held_bytes(large) == pinned_plan(REGISTER_FROM + 1).locked_bytes == REGISTER_FROM + PAGE
+    assert held_bytes(small) == 4096 and held_bytes(pageable) == 3000
+    ledger = MemoryLedger(accel)
+    ledger.record("exp_avg", [large, small, pageable])
+    assert ledger.measure().host == REGISTER_FROM + PAGE + 4096 + 3000
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: page-locks 1.5 GiB of host memory"
+)
+def test_a_1_5_gib_pinned_buffer_locks_under_1_6_gib_on_a_gpu(monkeypatch):
+    monkeypatch.delenv("ZO_DEVICE", raising=False)
+    monkeypatch.delenv("ZO_DEVICE_MEMORY", raising=False)
+    accel = CudaAccelerator()
+    stats = getattr(torch.cuda, "host_memory_stats", dict)
+    cached_before = stats().get("allocated_bytes.current", 0)
+    locked_before = locked_host_bytes()
+    buffer = host_buffer(accel, 3 * 2**29, torch.uint8, pin=True)
+    assert buffer.is_pinned() and plan_of(buffer).method == "register"
+    assert locked_host_bytes() - locked_before == held_bytes(buffer) < 1.6 * 2**30
+    # The caching allocator holds none of it (through it, the buffer would take a 2 GiB block).
+    assert stats().get("allocated_bytes.current", 0) - cached_before < 1.6 * 2**30
+    buffer[-1] = 7
+    device = accel.empty(buffer.numel(), torch.uint8, category="other")
+    accel.copy_(device, buffer, non_blocking=True)
+    torch.cuda.synchronize()
+    assert int(device[-1]) == 7
+    # Locking the same pages twice fails: the error comes back as a RuntimeError, and CUDA's last error is
+    # cleared, so the next kernel does not fail in its place.
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        accel._register(buffer.data_ptr(), PAGE)
+    assert float(torch.ones(4, device=accel.device).sum()) == 4.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_real_cuda_out_of_memory_is_hinted_and_chained(monkeypatch):
+    monkeypatch.delenv("ZO_DEVICE_MEMORY", raising=False)
+    accel = CudaAccelerator()
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        accel.empty(2**50, torch.uint8, category="buckets")  # 1 PiB
+    assert "reduce_bucket_size" in str(err.value) and "1024.00 TiB of buckets" in str(err.value)
+    assert isinstance(err.value.__cause__, torch.OutOfMemoryError) and "Hint:" not in str(err.value.__cause__)
 
 
 def test_the_pipelines_staging_slots_are_pinned_even_with_pin_memory_false():
