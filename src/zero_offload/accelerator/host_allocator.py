@@ -115,7 +115,8 @@ def registered_buffer(nbytes: int, dtype, register, unregister):
 
     `register` raises (RuntimeError) where the pages cannot be locked; nothing is left locked then."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    pages = LockedPages(-1, max(nbytes, 1))
+    # Private, as malloc's pages are: a forked process gets its own copy, not a window on these.
+    pages = LockedPages(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
     tensor = torch.frombuffer(pages, dtype=dtype, count=nbytes // itemsize)
     address = tensor.data_ptr()
     register(address, nbytes)

@@ -150,8 +150,8 @@ def estimate_model_states(
 def pinned_block_bytes(nbytes: int) -> int:
     """What torch's pinned-memory caching allocator really takes for a request of `nbytes`: the next power of
     two, so that freed blocks fit later requests (ATen's CachingHostAllocator, torch 2.13). A 300 MB pinned
-    buffer holds 512 MB of locked memory. (Past the allocator's `pinned_max_round_threshold` setting it
-    rounds no more; that setting is off unless PYTORCH_ALLOC_CONF sets it, so this ignores it.)"""
+    buffer would hold 512 MB of locked memory; the engine's own buffers of 16 MiB and more therefore bypass it
+    (accelerator/host_allocator.py's `pinned_plan`)."""
     return 1 << (nbytes - 1).bit_length() if nbytes > 1 else nbytes
 
 
