@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import zero_offload as zo
-from zero_offload.accelerator import Accelerator, CudaAccelerator, EmulatedAccelerator
+from zero_offload.accelerator import Accelerator, CudaAccelerator, EmulatedAccelerator, hinted_oom
+from zero_offload.accelerator.host_allocator import (
+    PAGE,
+    REGISTER_FROM,
+    PinPlan,
+    locked_host_bytes,
+    pinned_plan,
+    plan_of,
+)
 from zero_offload.basics.memory import (
     MemoryLedger,
     MemoryReport,
@@ -18,6 +28,7 @@ from zero_offload.basics.memory import (
 )
 from zero_offload.engine.model_setup import resident_dtype
 from zero_offload.implementation.offload import OffloadedStates
+from zero_offload.implementation.transfers import host_buffer
 from zero_offload.units import format_bytes
 
 MiB = 2**20
@@ -108,8 +119,31 @@ def test_stage3_gather_out_of_memory_names_the_fix(fake_cuda, monkeypatch):
     monkeypatch.setattr(torch.UntypedStorage, "resize_", _cuda_oom)
     with pytest.raises(torch.OutOfMemoryError) as err:
         accel.restore_storage(torch.zeros(4), "parameters")
-    assert "Tried to allocate 2.00 GiB" in str(err.value)
-    assert '"stage": 3' in str(err.value) and "offload_param" in str(err.value)
+    message = str(err.value)
+    assert (
+        "Tried to allocate 2.00 GiB" in message and "While allocating 16 B of gathered_parameters" in message
+    )
+    assert "stage3_prefetch_bucket_size" in message and "offload_param" in message
+    assert f"The device holds {format_bytes(3 * MiB)}" in message  # fake_cuda's memory_allocated
+    assert "Tried to allocate 2.00 GiB" in str(err.value.__cause__)  # torch's own error, chained
+
+
+def test_device_allocation_out_of_memory_names_what_and_how_much(fake_cuda, monkeypatch):
+    accel = CudaAccelerator(capacity=2**29, index=0)
+    real_empty = torch.empty
+
+    def empty(*args, device=None, **kwargs):
+        if device is not None:
+            _cuda_oom()
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        accel.empty((4, MiB), torch.float16, category="buckets")
+    message = str(err.value)
+    assert "While allocating 8.00 MiB of buckets" in message and "reduce_bucket_size" in message
+    assert "budget 512.00 MiB" in message and "\n" not in message  # one paragraph
+    assert type(err.value) is torch.OutOfMemoryError and err.value.__cause__ is not None
 
 
 def test_activation_out_of_memory_names_the_fix_once(fake_cuda):
@@ -117,12 +151,79 @@ def test_activation_out_of_memory_names_the_fix_once(fake_cuda):
     with pytest.raises(torch.OutOfMemoryError) as err, accel.activations(torch.float16):
         _cuda_oom()
     assert "train_micro_batch_size_per_gpu" in str(err.value)
-    # An allocation that named its own category keeps that hint.
+    # An allocation that named its own category keeps that hint, passing through the activations' wrapper.
+    gradients = hinted_oom(torch.OutOfMemoryError("CUDA out of memory."), "gradients")
     with pytest.raises(torch.OutOfMemoryError) as err, accel.activations(torch.float16):
-        raise torch.OutOfMemoryError("CUDA out of memory.\nWhile allocating gradients. Hint: partition them.")
-    assert str(err.value).count("Hint:") == 1 and "gradients" in str(err.value)
+        raise gradients
+    assert err.value is gradients and str(err.value).count("Hint:") == 1
     with accel.activations(torch.float16):  # no error: nothing to do
         pass
+
+
+# The four places a run on the emulated device runs out, each with a budget just too small for it.
+def _two_layers():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+
+
+_FP16 = {
+    "train_batch_size": 1,
+    "fp16": {"enabled": True},
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+}
+
+
+def _hinted(err, *knobs: str) -> str:
+    message = str(err.value)
+    assert isinstance(err.value, torch.OutOfMemoryError)
+    # Raised again with the hint, of the original's type, chained to the original (the budget's bare text).
+    assert type(err.value) is type(err.value.__cause__) and err.value.__cause__ is not err.value
+    assert "Hint:" not in str(err.value.__cause__) and message.startswith(str(err.value.__cause__))
+    assert message.count("Hint:") == 1 and "\n" not in message
+    for knob in knobs:
+        assert knob in message
+    return message
+
+
+def test_a_bucket_out_of_memory_in_backward_names_the_bucket_size():
+    accel = EmulatedAccelerator()
+    engine = zo.initialize(_two_layers(), {**_FP16, "zero_optimization": {"stage": 2}}, accelerator=accel)
+    loss = engine(torch.ones(1, 256)).float().sum()
+    accel.capacity = accel.memory_stats().in_use  # full: the first gradient bucket does not fit
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        engine.backward(loss)
+    message = _hinted(err, "reduce_bucket_size", "for buckets")
+    assert "train_micro_batch_size_per_gpu" not in message  # backward's own hint did not wrap it again
+    engine.close()
+
+
+def test_a_stage3_gather_out_of_memory_names_the_prefetch_size():
+    accel = EmulatedAccelerator()
+    engine = zo.initialize(_two_layers(), {**_FP16, "zero_optimization": {"stage": 3}}, accelerator=accel)
+    accel.capacity = accel.memory_stats().in_use
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        engine(torch.ones(1, 256))
+    _hinted(err, "stage3_prefetch_bucket_size", "offload_param", "gathered_parameters")
+    engine.close()
+
+
+def test_a_master_weight_out_of_memory_names_the_optimizer_offload():
+    weights = 2 * sum(p.numel() for p in _two_layers().parameters())
+    # Room for the fp16 weights and gradients, not for the fp32 master weights.
+    accel = EmulatedAccelerator(capacity=2 * weights + 1024)
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        zo.initialize(_two_layers(), _FP16, accelerator=accel)
+    _hinted(err, "master_weights", '"offload_optimizer": {"device": "cpu"}')
+
+
+def test_a_forward_out_of_memory_names_the_micro_batch_and_checkpointing():
+    accel = EmulatedAccelerator()
+    engine = zo.initialize(_two_layers(), _FP16, accelerator=accel)
+    accel.capacity = accel.memory_stats().in_use  # the model states fill it: no room for an activation
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        engine(torch.ones(1, 256))
+    _hinted(err, "for activations", "train_micro_batch_size_per_gpu", "activation_checkpointing")
+    engine.close()
 
 
 class _RunsOutInBackward(torch.autograd.Function):
@@ -190,6 +291,133 @@ def test_ledger_and_staging_count_pinned_buffers_rounded(monkeypatch):
         param_staging=[torch.empty(50, dtype=torch.float16)],  # 100 bytes
     )
     assert OffloadedStates.host_staging_bytes(states) == 1024 + 128
+
+
+# -- N6: a pinned buffer locks about its own size, not the next power of two ---------------------------------------
+def test_a_large_pinned_buffer_locks_its_size_not_the_next_power_of_two():
+    request = 4_400_000_000  # a 1.1B-parameter fp32 flat buffer
+    assert pinned_block_bytes(request) == 8 * 2**30  # what torch's caching allocator would lock
+    plan = pinned_plan(request)
+    assert plan.method == "register" and plan.requested == request
+    assert request <= plan.locked_bytes < request + PAGE and plan.locked_bytes % PAGE == 0
+
+
+def test_small_pinned_buffers_keep_the_caching_allocator_which_wastes_less_than_their_size():
+    assert pinned_plan(1000) == PinPlan("caching", 1000, 1024)
+    largest_cached = pinned_plan(REGISTER_FROM - 1)
+    assert largest_cached.method == "caching" and largest_cached.locked_bytes == REGISTER_FROM
+    assert pinned_plan(REGISTER_FROM).method == "register"
+    assert pinned_plan(0).locked_bytes == 0
+    with pytest.raises(ValueError):
+        pinned_plan(-1)
+
+
+class _FakeCudart:
+    """torch.cuda.cudart()'s page-locking calls, recorded; `fail` makes cudaHostRegister fail as at ulimit -l."""
+
+    def __init__(self, fail: bool = False):
+        self.calls, self.fail = [], fail
+
+    def cudaHostRegister(self, address, nbytes, flags):
+        self.calls.append(("register", address, nbytes))
+        return 2 if self.fail else 0  # cudaErrorMemoryAllocation
+
+    def cudaHostUnregister(self, address):
+        ctypes.string_at(address, 1)  # the pages must still be mapped when they are unlocked
+        self.calls.append(("unregister", address))
+        return 0
+
+    def cudaGetErrorString(self, code):
+        return "out of memory"
+
+
+def test_a_large_buffer_on_a_gpu_is_locked_in_place_and_unlocked_when_its_last_view_dies(
+    fake_cuda, monkeypatch
+):
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    accel = CudaAccelerator(index=0)
+    locked_before = locked_host_bytes()
+    numel = REGISTER_FROM // 2 + 3  # fp16: just over REGISTER_FROM bytes, not a whole number of pages
+    buffer = host_buffer(accel, numel, torch.float16, pin=True)
+    ((call, address, nbytes),) = cudart.calls
+    assert (call, address, nbytes) == ("register", buffer.data_ptr(), 2 * numel) and address % PAGE == 0
+    assert plan_of(buffer) == pinned_plan(2 * numel) and plan_of(buffer).method == "register"
+    assert held_bytes(buffer) == pinned_plan(2 * numel).locked_bytes < 2 * numel + PAGE
+    assert locked_host_bytes() - locked_before == held_bytes(buffer)
+    assert buffer.shape == (numel,) and not buffer.any()  # zeroed, as host_buffer promises
+    view = buffer[10:20]
+    del buffer
+    gc.collect()
+    assert len(cudart.calls) == 1, "a live view keeps the pages locked"
+    del view
+    gc.collect()
+    assert cudart.calls[-1] == ("unregister", address)
+    assert locked_host_bytes() == locked_before
+
+
+def test_a_gpu_buffer_that_cannot_be_locked_falls_back_to_pageable_memory(fake_cuda, monkeypatch):
+    from zero_offload.accelerator import cuda
+
+    cudart, taken = _FakeCudart(fail=True), []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(cuda, "_take_last_error", taken.append)
+    accel = CudaAccelerator(index=0)
+    with pytest.warns(UserWarning, match="could not pin host memory.*cudaHostRegister.*out of memory"):
+        buffer = host_buffer(accel, REGISTER_FROM, torch.uint8, pin=True)
+    assert [c[0] for c in cudart.calls] == ["register"]  # nothing locked, so nothing to unlock
+    assert taken == [accel.device]  # CUDA's last error was cleared
+    assert plan_of(buffer) is None and held_bytes(buffer) == REGISTER_FROM and buffer.numel() == REGISTER_FROM
+
+
+def test_the_emulated_device_counts_the_bytes_a_gpu_would_lock():
+    accel = EmulatedAccelerator()
+    large = host_buffer(accel, REGISTER_FROM + 1, torch.uint8, pin=True)
+    small = host_buffer(accel, 3000, torch.uint8, pin=True)
+    pageable = host_buffer(accel, 3000, torch.uint8, pin=False)
+    assert accel.is_pinned(large) and not large.is_pinned()  # asked for as pinned; nothing is really locked
+    assert held_bytes(large) == pinned_plan(REGISTER_FROM + 1).locked_bytes == REGISTER_FROM + PAGE
+    assert held_bytes(small) == 4096 and held_bytes(pageable) == 3000
+    ledger = MemoryLedger(accel)
+    ledger.record("exp_avg", [large, small, pageable])
+    assert ledger.measure().host == REGISTER_FROM + PAGE + 4096 + 3000
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: page-locks 1.5 GiB of host memory"
+)
+def test_a_1_5_gib_pinned_buffer_locks_under_1_6_gib_on_a_gpu(monkeypatch):
+    monkeypatch.delenv("ZO_DEVICE", raising=False)
+    monkeypatch.delenv("ZO_DEVICE_MEMORY", raising=False)
+    accel = CudaAccelerator()
+    stats = getattr(torch.cuda, "host_memory_stats", dict)
+    cached_before = stats().get("allocated_bytes.current", 0)
+    locked_before = locked_host_bytes()
+    buffer = host_buffer(accel, 3 * 2**29, torch.uint8, pin=True)
+    assert buffer.is_pinned() and plan_of(buffer).method == "register"
+    assert locked_host_bytes() - locked_before == held_bytes(buffer) < 1.6 * 2**30
+    # The caching allocator holds none of it (through it, the buffer would take a 2 GiB block).
+    assert stats().get("allocated_bytes.current", 0) - cached_before < 1.6 * 2**30
+    buffer[-1] = 7
+    device = accel.empty(buffer.numel(), torch.uint8, category="other")
+    accel.copy_(device, buffer, non_blocking=True)
+    torch.cuda.synchronize()
+    assert int(device[-1]) == 7
+    # Locking the same pages twice fails: the error comes back as a RuntimeError, and CUDA's last error is
+    # cleared, so the next kernel does not fail in its place.
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        accel._register(buffer.data_ptr(), PAGE)
+    assert float(torch.ones(4, device=accel.device).sum()) == 4.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_real_cuda_out_of_memory_is_hinted_and_chained(monkeypatch):
+    monkeypatch.delenv("ZO_DEVICE_MEMORY", raising=False)
+    accel = CudaAccelerator()
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        accel.empty(2**50, torch.uint8, category="buckets")  # 1 PiB
+    assert "reduce_bucket_size" in str(err.value) and "1024.00 TiB of buckets" in str(err.value)
+    assert isinstance(err.value.__cause__, torch.OutOfMemoryError) and "Hint:" not in str(err.value.__cause__)
 
 
 def test_the_pipelines_staging_slots_are_pinned_even_with_pin_memory_false():

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..accelerator.host_allocator import plan_of
 from ..units import format_bytes
 
 TIERS = ("device", "host", "nvme")
@@ -149,13 +150,18 @@ def estimate_model_states(
 def pinned_block_bytes(nbytes: int) -> int:
     """What torch's pinned-memory caching allocator really takes for a request of `nbytes`: the next power of
     two, so that freed blocks fit later requests (ATen's CachingHostAllocator, torch 2.13). A 300 MB pinned
-    buffer holds 512 MB of locked memory. (Past the allocator's `pinned_max_round_threshold` setting it
-    rounds no more; that setting is off unless PYTORCH_ALLOC_CONF sets it, so this ignores it.)"""
+    buffer would hold 512 MB of locked memory; the engine's own buffers of 16 MiB and more therefore bypass it
+    (accelerator/host_allocator.py's `pinned_plan`)."""
     return 1 << (nbytes - 1).bit_length() if nbytes > 1 else nbytes
 
 
 def held_bytes(tensor: torch.Tensor) -> int:
-    """Bytes the storage of `tensor` really holds: its size, rounded as the pinned allocator rounds it."""
+    """Bytes the storage of `tensor` really holds. A pinned buffer made by an accelerator: what its plan locks
+    (accelerator/host_allocator.py's `pinned_plan`; on the emulated device, what a GPU would lock). Other pinned
+    memory: rounded as torch's pinned allocator rounds it."""
+    plan = plan_of(tensor) if tensor.device.type == "cpu" else None
+    if plan is not None:
+        return plan.locked_bytes
     nbytes = tensor.untyped_storage().nbytes()
     return pinned_block_bytes(nbytes) if tensor.device.type == "cpu" and tensor.is_pinned() else nbytes
 

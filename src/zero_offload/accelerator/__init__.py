@@ -12,7 +12,8 @@ The files:
   base.py            `Accelerator`, `MemoryStats`, the memory categories and the out-of-memory hints
   emulated.py        `EmulatedAccelerator`: the budget's books, storage freed and restored, copies on a link queue
   saved_tensors.py   the saved-tensor hooks that charge activations to the emulated device
-  host_allocator.py  `keep_freed_blocks`: glibc's malloc told to keep freed blocks, as a GPU's allocator does
+  host_allocator.py  `keep_freed_blocks`: glibc's malloc told to keep freed blocks, as a GPU's allocator does;
+                     `pinned_plan`: how a pinned host buffer is made and how many bytes it locks
   cuda.py            `CudaAccelerator`
   streams.py         streams and events: a CUDA stream, or a worker thread that runs its queue in order
   __init__.py        `get_accelerator` and `wants_cuda`: which one this process gets

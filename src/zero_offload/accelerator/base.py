@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..units import format_bytes
 from .streams import Event
 
 # What to change when a category of device memory runs out. The engine names the category it allocates,
@@ -20,6 +21,11 @@ OFFLOAD_HINTS = {
     '{"stage": 2, "offload_optimizer": {"device": "cpu"}}',
     "optimizer_states": 'keep the fp32 master weights and Adam moments on the host: "zero_optimization": '
     '{"stage": 2, "offload_optimizer": {"device": "cpu"}}',
+    "buckets": 'lower "zero_optimization": {"reduce_bucket_size": ...} (elements of gradient reduced at once; '
+    'with stage 3 also "stage3_prefetch_bucket_size", the weights uploaded and gathered ahead)',
+    "gathered_parameters": 'lower "zero_optimization": {"stage3_prefetch_bucket_size": ...} (elements of '
+    'weights gathered ahead of the layer that runs), or keep the shards on the host: "offload_param": '
+    '{"device": "cpu"}',
     "activations": 'lower "train_micro_batch_size_per_gpu" (raise "gradient_accumulation_steps" to keep the '
     'global batch), or recompute activations with "activation_checkpointing"',
 }
@@ -39,15 +45,36 @@ def offload_hint(category: str) -> str:
     return OFFLOAD_HINTS.get(category, "offload model states to the host (see zero_optimization)")
 
 
-def hinted_oom(err: torch.OutOfMemoryError, category: str) -> torch.OutOfMemoryError:
-    """torch's out-of-memory error with the setting that frees memory of `category` added to its text."""
-    if "Hint:" in str(err):  # raised by an allocation that already named its category
+def hinted_oom(
+    err: torch.OutOfMemoryError,
+    category: str,
+    *,
+    nbytes: int | None = None,
+    stats: MemoryStats | None = None,
+) -> torch.OutOfMemoryError:
+    """`err` again, of its own type, its text followed by what was being allocated and the setting that frees
+    memory of `category`; `err` itself if it already carries a hint (an OOM passing through two wrappers keeps
+    the first, most precise one). The caller raises it `from err`."""
+    if getattr(err, "hinted_category", None) is not None:
         return err
-    return torch.OutOfMemoryError(f"{err}\nWhile allocating {category}. Hint: {offload_hint(category)}.")
+    what = category if nbytes is None else f"{format_bytes(nbytes)} of {category}"
+    used = ""
+    if stats is not None:
+        budget = "no budget" if stats.capacity is None else f"budget {format_bytes(stats.capacity)}"
+        used = f" The device holds {format_bytes(stats.in_use)} ({budget})."
+    # One paragraph: torch's own text may span lines.
+    text = " ".join(str(err).split())
+    message = f"{text} While allocating {what}.{used} Hint: {offload_hint(category)}."
+    try:
+        hinted = type(err)(message)
+    except TypeError:  # a subclass whose constructor takes other arguments
+        hinted = torch.OutOfMemoryError(message)
+    hinted.hinted_category = category
+    return hinted
 
 
 class HintOnOutOfMemory(contextlib.AbstractContextManager):
-    """Re-raises an out-of-memory error from inside the block as `hinted_oom(err, category)`."""
+    """Re-raises an out-of-memory error from inside the block as `hinted_oom(err, category)`, chained to it."""
 
     def __init__(self, category: str):
         self.category = category
@@ -56,7 +83,7 @@ class HintOnOutOfMemory(contextlib.AbstractContextManager):
         if isinstance(err, torch.OutOfMemoryError):
             hinted = hinted_oom(err, self.category)
             if hinted is not err:
-                raise hinted.with_traceback(tb) from None  # where it ran out, without torch's text twice
+                raise hinted.with_traceback(tb) from err
         return False
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import weakref
@@ -9,6 +10,7 @@ import weakref
 import torch
 
 from .base import Accelerator, HintOnOutOfMemory, MemoryStats, hinted_oom
+from .host_allocator import pinned_plan, registered_buffer, remember_plan
 from .streams import CudaStream, Event
 
 
@@ -68,10 +70,29 @@ class CudaAccelerator(Accelerator):
         try:
             return torch.empty(shape, dtype=dtype, device=self.device)
         except torch.OutOfMemoryError as err:
-            raise hinted_oom(err, category) from None
+            nbytes = (shape if isinstance(shape, int) else torch.Size(shape).numel()) * dtype.itemsize
+            raise hinted_oom(err, category, nbytes=nbytes, stats=self.memory_stats()) from err
 
     def host_empty(self, shape, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=pin)
+        if not pin:
+            return torch.empty(shape, dtype=dtype)
+        shape = torch.Size([shape]) if isinstance(shape, int) else torch.Size(shape)
+        plan = pinned_plan(shape.numel() * dtype.itemsize)
+        if plan.method == "caching":
+            tensor = torch.empty(shape, dtype=dtype, pin_memory=True)
+        else:
+            tensor = registered_buffer(plan.requested, dtype, self._register, _unregister).view(shape)
+        remember_plan(tensor, plan)
+        return tensor
+
+    def _register(self, address: int, nbytes: int) -> None:
+        cudart = torch.cuda.cudart()
+        code = cudart.cudaHostRegister(address, nbytes, 0)
+        if int(code) != 0:
+            _take_last_error(self.device)
+            raise RuntimeError(
+                f"cudaHostRegister of {nbytes / 2**20:.0f} MiB failed: {cudart.cudaGetErrorString(code)}"
+            )
 
     def is_on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda
@@ -96,8 +117,12 @@ class CudaAccelerator(Accelerator):
         tensor.untyped_storage().resize_(0)
 
     def restore_storage(self, tensor: torch.Tensor, category: str = "parameters") -> None:
-        with HintOnOutOfMemory(category):  # stage 3's gathers: the largest allocations of a step
-            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+        nbytes = tensor.numel() * tensor.element_size()
+        try:  # stage 3's gathers: the largest allocations of a step
+            tensor.untyped_storage().resize_(nbytes)
+        except torch.OutOfMemoryError as err:
+            hint = "gathered_parameters" if category == "parameters" else category
+            raise hinted_oom(err, hint, nbytes=nbytes, stats=self.memory_stats()) from err
 
     def activations(self, storage_dtype: torch.dtype = torch.float32):
         return HintOnOutOfMemory("activations")
@@ -119,3 +144,16 @@ class CudaAccelerator(Accelerator):
 
 def _budget(capacity: int | None) -> str:
     return "the whole device" if capacity is None else f"{capacity / 2**30:.2f} GiB"
+
+
+def _take_last_error(device: torch.device) -> None:
+    """Clear the error a failed CUDA call left as CUDA's "last error": the next kernel launch's check would
+    report it as its own failure. A launch here takes it (torch has no binding of cudaGetLastError)."""
+    with contextlib.suppress(RuntimeError):
+        torch.ones(1, device=device)
+
+
+def _unregister(address: int) -> None:
+    # At interpreter exit CUDA may already be gone: the pages are given back with the process then.
+    with contextlib.suppress(Exception):
+        torch.cuda.cudart().cudaHostUnregister(address)

@@ -8,8 +8,8 @@ import weakref
 import torch
 
 from ..units import format_bytes
-from .base import CATEGORIES, Accelerator, DeviceOutOfMemoryError, MemoryStats, offload_hint
-from .host_allocator import keep_freed_blocks
+from .base import CATEGORIES, Accelerator, DeviceOutOfMemoryError, MemoryStats, hinted_oom
+from .host_allocator import keep_freed_blocks, pinned_plan, remember_plan
 from .saved_tensors import ChargeSavedTensors
 from .streams import Event, WorkerStream, on_worker_stream
 
@@ -57,13 +57,21 @@ class EmulatedAccelerator(Accelerator):
 
     def _oom_message(self, nbytes: int, category: str) -> str:
         held = ", ".join(f"{c} {format_bytes(b)}" for c, b in self._by_category.items() if b)
-        hint = offload_hint(category)
         return (
             f"Emulated device out of memory. Tried to allocate {format_bytes(nbytes)} for {category}. "
-            f"Budget {format_bytes(self.capacity)}; {format_bytes(self._in_use)} already in use "
-            f"({held or 'nothing'}); peak {format_bytes(self._peak)}. "
-            f'Hint: {hint}. Or raise the budget: ZO_DEVICE_MEMORY / "zero_offload": {{"device_memory": ...}}.'
+            f'Budget {format_bytes(self.capacity)} (ZO_DEVICE_MEMORY or "zero_offload": {{"device_memory": ...}}); '
+            f"{format_bytes(self._in_use)} already in use ({held or 'nothing'}); peak {format_bytes(self._peak)}."
         )
+
+    def _charge_with_its_hint(self, nbytes: int, category: str) -> None:
+        self._charge_or_hint(nbytes, category, category)
+
+    def _charge_or_hint(self, nbytes: int, category: str, hint: str) -> None:
+        try:
+            self._charge(nbytes, category)
+        except DeviceOutOfMemoryError as err:
+            # The budget's text already says how much is in use: the hint adds only the setting.
+            raise hinted_oom(err, hint) from err
 
     def _track(self, tensor: torch.Tensor, nbytes: int, category: str) -> None:
         storage = tensor.untyped_storage()
@@ -85,7 +93,7 @@ class EmulatedAccelerator(Accelerator):
             raise ValueError(f"unknown memory category {category!r}; use one of {', '.join(CATEGORIES)}")
         shape = torch.Size([shape]) if isinstance(shape, int) else torch.Size(shape)
         nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
-        self._charge(nbytes, category)
+        self._charge_with_its_hint(nbytes, category)
         try:
             tensor = torch.empty(shape, dtype=dtype)
         except BaseException:
@@ -103,12 +111,14 @@ class EmulatedAccelerator(Accelerator):
     # -- copies as asynchronous as a GPU's ----------------------------------------------------------------------
     def host_empty(self, shape, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
         # Nothing is page-locked here, but a buffer asked for as pinned is remembered: copies from it are the
-        # ones a GPU runs by DMA, after the call that launched them has returned.
+        # ones a GPU runs by DMA, after the call that launched them has returned. Its plan is noted as a GPU's
+        # would be, so the memory report counts the bytes a GPU would lock.
         tensor = torch.empty(shape, dtype=dtype)
         if pin:
             storage = tensor.untyped_storage()
             self._pinned.add(storage.data_ptr())
             weakref.finalize(storage, self._pinned.discard, storage.data_ptr())
+            remember_plan(tensor, pinned_plan(storage.nbytes()))
         return tensor
 
     def copy_(self, dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False) -> None:
@@ -154,7 +164,10 @@ class EmulatedAccelerator(Accelerator):
 
     def restore_storage(self, tensor: torch.Tensor, category: str = "parameters") -> None:
         nbytes = tensor.numel() * tensor.element_size()
-        self._charge(nbytes, category)
+        # Charged to `category`, but what shrinks it is how much stage 3 gathers at once.
+        self._charge_or_hint(
+            nbytes, category, "gathered_parameters" if category == "parameters" else category
+        )
         tensor.untyped_storage().resize_(nbytes)
         self._track(tensor, nbytes, category)
 
@@ -187,7 +200,7 @@ class EmulatedAccelerator(Accelerator):
             storage_dtype,
             on_device=self._by_storage,
             compute_copies=self._compute_copies,
-            charge=self._charge,
+            charge=self._charge_with_its_hint,
             release=self._release,
         )
 

@@ -1,9 +1,19 @@
-"""The host's allocator tuned to keep freed blocks, as a GPU's caching allocator does."""
+"""The host's memory: malloc tuned to keep freed blocks, and how pinned buffers are made and what they lock.
+
+`keep_freed_blocks`: glibc told to keep freed blocks, as a GPU's caching allocator does (the emulated device).
+`pinned_plan`: how a pinned buffer of a given size is made, and how many bytes of RAM it locks; both devices
+note each pinned buffer's plan (`remember_plan`) so the memory report counts what a GPU locks.
+`registered_buffer`: a buffer on pages of its own, page-locked in place (the CUDA device's large buffers)."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
+import weakref
+from dataclasses import dataclass
+
+import torch
 
 # glibc's mallopt() parameters (malloc.h) and the largest mmap threshold it accepts on 64-bit systems.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -30,3 +40,85 @@ def keep_freed_blocks() -> bool:
     return bool(
         mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
     )
+
+
+# -- pinned host memory: how much a request really locks ---------------------------------------------------------
+PAGE = mmap.PAGESIZE
+# Below this, torch's pinned caching allocator: it rounds a block up to the next power of two, so a buffer wastes
+# less than its own size (under 16 MiB), and freed blocks are reused. From here on, the pages are locked where
+# they lie (cudaHostRegister): a 4.4 GB buffer would otherwise hold 8 GiB of locked memory.
+REGISTER_FROM = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class PinPlan:
+    """How a pinned host buffer of `requested` bytes is made, and how many bytes of RAM it keeps locked.
+
+    method "caching": torch's pinned caching allocator (`torch.empty(..., pin_memory=True)`), one block rounded
+              up to a power of two;
+           "register": pageable pages, mapped for this buffer alone and page-locked in place (cudaHostRegister),
+              so the locked bytes are the request rounded up to whole pages."""
+
+    method: str
+    requested: int
+    locked_bytes: int
+
+
+def pinned_plan(nbytes: int, *, page: int = PAGE) -> PinPlan:
+    """How a pinned buffer of `nbytes` is made, and the bytes it locks (pure: no GPU needed)."""
+    if nbytes < 0:
+        raise ValueError(f"a buffer cannot have {nbytes} bytes")
+    if nbytes < REGISTER_FROM:
+        rounded = 1 << (nbytes - 1).bit_length() if nbytes > 1 else nbytes
+        return PinPlan("caching", nbytes, rounded)
+    return PinPlan("register", nbytes, -(-nbytes // page) * page)
+
+
+# storage data_ptr -> the plan of a live host buffer asked for as pinned (on either device)
+_plans: dict[int, PinPlan] = {}
+
+
+def remember_plan(tensor, plan: PinPlan) -> None:
+    """Note `plan` for the storage of `tensor` until that storage dies, for `plan_of` (the memory report)."""
+    storage = tensor.untyped_storage()
+    _plans[storage.data_ptr()] = plan
+    weakref.finalize(storage, _plans.pop, storage.data_ptr(), None)
+
+
+def plan_of(tensor) -> PinPlan | None:
+    """The plan a pinned buffer was made by, or None: pageable, or not made by an accelerator's host_empty."""
+    return _plans.get(tensor.untyped_storage().data_ptr())
+
+
+def locked_host_bytes() -> int:
+    """Bytes all live pinned buffers lock, by their plans (the emulated device: what a GPU would lock)."""
+    return sum(plan.locked_bytes for plan in list(_plans.values()))
+
+
+class LockedPages(mmap.mmap):
+    """Anonymous pages of one host buffer, page-locked for DMA by `register(address, nbytes)`.
+
+    The mapping lives as long as the tensor made on it (torch.frombuffer keeps it); `unregister(address)` runs
+    in `__del__`, which Python calls before the pages are unmapped."""
+
+    address = 0
+    unregister = None
+
+    def __del__(self):
+        if self.unregister is not None:
+            self.unregister(self.address)
+            self.unregister = None
+
+
+def registered_buffer(nbytes: int, dtype, register, unregister):
+    """A 1-D tensor of `nbytes` bytes of `dtype` on pages of its own, locked by `register(address, nbytes)`.
+
+    `register` raises (RuntimeError) where the pages cannot be locked; nothing is left locked then."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    # Private, as malloc's pages are: a forked process gets its own copy, not a window on these.
+    pages = LockedPages(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
+    tensor = torch.frombuffer(pages, dtype=dtype, count=nbytes // itemsize)
+    address = tensor.data_ptr()
+    register(address, nbytes)
+    pages.address, pages.unregister = address, unregister
+    return tensor

@@ -134,10 +134,13 @@ class Engine:
     def __call__(self, *args, **kwargs):
         if self._closed:
             raise RuntimeError("this engine was closed (engine.close()); make a new one with zo.initialize")
-        args, kwargs = (to_device(v, self.accelerator, self.states.dtype) for v in (args, kwargs))
-        self.states.before_forward()
-        with self.accelerator.activations(self.states.dtype), self._timeline.span("forward"):
-            return self.model(*args, **kwargs)
+        # The inputs and what forward keeps for backward grow with the micro-batch: that is the hint. A gather or
+        # a bucket that runs out in forward has named its own setting already, and keeps it.
+        with HintOnOutOfMemory("activations"):
+            args, kwargs = (to_device(v, self.accelerator, self.states.dtype) for v in (args, kwargs))
+            self.states.before_forward()
+            with self.accelerator.activations(self.states.dtype), self._timeline.span("forward"):
+                return self.model(*args, **kwargs)
 
     forward = __call__
 

@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from ..accelerator import Accelerator
+from ..accelerator import Accelerator, HintOnOutOfMemory
 from ..principles.comm import Comm
 
 
@@ -62,7 +62,9 @@ def place_buffers_and_frozen(model: torch.nn.Module, accel: Accelerator, storage
     GPU run would otherwise meet fp32 or host tensors among its fp16 ones. Frozen parameters are no model state
     (no gradient, no Adam, not sharded), but device memory all the same: charged as parameters."""
     for buf in model.buffers():
-        buf.data = buf.data.to(accel.device, resident_dtype(buf, accel, storage_dtype, parameter=False))
+        # Not through accel.empty (the emulated device charges no buffers), but a GPU's OOM still gets the hint.
+        with HintOnOutOfMemory("parameters"):
+            buf.data = buf.data.to(accel.device, resident_dtype(buf, accel, storage_dtype, parameter=False))
     frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
     for param in frozen.values():
         dtype = resident_dtype(param, accel, storage_dtype, parameter=True)
