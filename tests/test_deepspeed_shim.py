@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -289,3 +290,28 @@ def test_loading_the_module_only_or_without_the_optimizer_starts_adam_afresh_fro
         assert float(engine.states.exp_avg.abs().max()) == 0.0
         assert float(engine.optimizer.state[engine.states.master_params[0]]["step"]) == 0.0
         engine.close()
+
+
+# -- examples/deepspeed_getting_started, as its README runs it ---------------------------------------------
+EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "deepspeed_getting_started")
+
+
+@pytest.mark.slow
+def test_the_getting_started_example_resumes_from_its_latest_tag_with_the_same_losses(tmp_path):
+    def run(*extra):
+        command = [sys.executable, os.path.join(EXAMPLE, "train.py"), "--deepspeed", "--deepspeed_config"]
+        command += [os.path.join(EXAMPLE, "ds_config.json"), "--save-dir", str(tmp_path / "ckpt"), *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "ZO_DEVICE": "cpu"}
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return done.stdout
+
+    run("--steps", "6", "--save-every", "3", "--losses", str(tmp_path / "whole.json"))
+    # As if the run had stopped after its first save: the second is not there, and `latest` names the first.
+    shutil.rmtree(tmp_path / "ckpt" / "step6")
+    (tmp_path / "ckpt" / "latest").write_text("step3\n")
+    out = run("--steps", "6", "--save-every", "3", "--resume", "--losses", str(tmp_path / "resumed.json"))
+    assert "resumed from" in out and "step3" in out
+    whole = json.loads((tmp_path / "whole.json").read_text())
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert sorted(resumed) == ["4", "5", "6"] and resumed == {k: whole[k] for k in resumed}
