@@ -29,6 +29,7 @@ RANK = {
     "engine": 6,
     "zero_offload": 6,
     "cli": 7,
+    "deepspeed": 7,  # DeepSpeed's entry points over the engine, for scripts written for it
     "lessons": 8,  # the notebooks' helpers: they run the commands and the experiments
 }
 # Imports across the ranks that are meant: (importer, imported) -> why.

@@ -84,6 +84,7 @@ def _parse(data, world_size: int) -> Config:
         checkpointing = read_activation_checkpointing(top.section("activation_checkpointing"))
     zero, extension = read_zero(top.section("zero_optimization")), read_extension(top.section("zero_offload"))
     clipping = top.get("gradient_clipping", float, 0.0, **NON_NEGATIVE)
+    drop_last = top.get("dataloader_drop_last", bool, False)
     top.ignore(*_IGNORED_TOP)
     top.done()
     if fp16.enabled and bf16_config.enabled:
@@ -112,6 +113,7 @@ def _parse(data, world_size: int) -> Config:
         zero_optimization=zero,
         activation_checkpointing=checkpointing,
         zero_offload=extension,
+        dataloader_drop_last=drop_last,
         source=json.loads(json.dumps(data)),
     )
 

@@ -188,6 +188,8 @@ class Config:
     zero_optimization: ZeroConfig = ZeroConfig()
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     zero_offload: ExtensionConfig = ExtensionConfig()
+    # The data loader zero_offload.deepspeed.initialize builds from training_data drops a last, short batch.
+    dataloader_drop_last: bool = False
     # The user's own dict, kept so that load_config(cfg, world_size=n) can derive batch sizes afresh.
     source: Mapping | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -212,6 +214,8 @@ class Config:
         del out["zero_optimization"]["offload_param"]["ratio"]
         if self.scheduler.type is None:
             del out["scheduler"]
+        if not out["dataloader_drop_last"]:
+            del out["dataloader_drop_last"]  # its default: a config without it means the same
         if not out["activation_checkpointing"].pop("enabled"):
             del out["activation_checkpointing"]  # the section being present is what enables it
         return out

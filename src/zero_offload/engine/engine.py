@@ -15,6 +15,7 @@ so one `step` reads the same for every configuration: reduce, overflow, `updatin
 from __future__ import annotations
 
 import atexit
+import os
 import weakref
 
 import torch
@@ -23,7 +24,7 @@ from ..accelerator import Accelerator, HintOnOutOfMemory, get_accelerator
 from ..basics.memory import MemoryLedger, MemoryReport
 from ..basics.precision import DynamicLossScaler, StaticLossScaler, unique_parameters
 from ..config import Config, check_supported, load_config
-from ..implementation.checkpoint import load_checkpoint, save_checkpoint
+from ..implementation.checkpoint import LoadOptions, load_checkpoint, save_checkpoint
 from ..implementation.schedulers import build_scheduler
 from ..practice.timeline import Span, Timeline, gather_timeline
 from ..principles.comm import Comm
@@ -49,9 +50,21 @@ _open_engines: weakref.WeakSet = weakref.WeakSet()
 
 
 @atexit.register
-def _close_open_engines() -> None:
+def close_open_engines() -> None:
     for engine in list(_open_engines):
         engine.close()
+
+
+def engine_of(params) -> Engine:
+    """The open engine that trains `params` (parameters of its model); a clear error if none does."""
+    wanted = {id(p) for p in params}
+    for engine in list(_open_engines):
+        if wanted and wanted <= {id(p) for p in engine.model.parameters()}:
+            return engine
+    raise ValueError(
+        "these parameters belong to no open engine's model: build the engine first (zo.initialize or "
+        "zero_offload.deepspeed.initialize), and pass parameters of the model it was given"
+    )
 
 
 class Engine:
@@ -233,25 +246,43 @@ class Engine:
                 self._joined_group.release()
 
     # -- checkpoints (implementation/checkpoint.py) ------------------------------------------------------------------
-    def save_checkpoint(self, path, tag: str | None = None) -> None:
+    def save_checkpoint(
+        self, path, tag: str | None = None, client_state: dict | None = None, save_latest=True
+    ):
         """Every rank writes its shard of the model states, with what it takes to resume, into directory `path`
-        (into its folder `tag`, by default the step; `path/latest` names the newest complete one).
+        (into its folder `tag`, by default the step; `path/latest` names the newest complete one, unless
+        `save_latest=False`). `client_state`: the script's own plain values, given back by load_checkpoint.
 
         Saving does not change the run: a delayed update in flight lands but is published at the next step, as
         it would have been without the save (practice/dpu.py)."""
-        save_checkpoint(self, path, tag)
+        save_checkpoint(self, path, tag, client_state=client_state, save_latest=save_latest)
         self.skip_guard.last_checkpoint = (str(path), self.global_steps)  # what a diverged run goes back to
 
-    def load_checkpoint(self, path) -> None:
-        """Resume from `path` (the save its `latest` names), saved by any world size: shards are re-cut for this one."""
+    def load_checkpoint(
+        self,
+        path,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str, dict]:
+        """Resume from `path` (its save `tag`, by default the one `latest` names), saved by any world size:
+        shards are re-cut for this one. Returns the save's folder and the `client_state` it was saved with.
+
+        `load_optimizer_states=False`: the weights and the counters, with Adam starting afresh;
+        `load_module_only=True`: the weights alone (step counters, schedule and loss scale stay this engine's)."""
         self.synchronize()  # an update in flight must not land on top of the loaded states
-        state = load_checkpoint(self, path)
-        if state.scaler_state is not None:
-            self.scaler.load_state_dict(state.scaler_state)
-        self.global_steps, self.micro_steps = state.global_steps, state.micro_steps
-        self.skipped_steps, self.history = state.skipped_steps, state.history
-        self.skip_guard.resume(state.skipped_in_a_row)
-        self.skip_guard.last_checkpoint = (str(path), self.global_steps)
+        options = LoadOptions(load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        loaded = load_checkpoint(self, path, tag, options)
+        state = loaded.training
+        if state is not None:
+            if state.scaler_state is not None:
+                self.scaler.load_state_dict(state.scaler_state)
+            self.global_steps, self.micro_steps = state.global_steps, state.micro_steps
+            self.skipped_steps, self.history = state.skipped_steps, state.history
+            self.skip_guard.resume(state.skipped_in_a_row)
+            self.skip_guard.last_checkpoint = (str(path), self.global_steps)
+        return str(loaded.folder), loaded.client_state
 
     # -- the full weights outside training (stage 3 holds only shards between forwards) ----------------------------
     def gathered_parameters(self, params=None, *, modifier_rank: int | None = None):
@@ -276,6 +307,46 @@ class Engine:
             return {
                 name: value.detach().to("cpu", copy=True) for name, value in self.model.state_dict().items()
             }
+
+    # -- what a DeepSpeed script asks of its engine, with DeepSpeed's meaning -----------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.model
+
+    @property
+    def device(self) -> torch.device:
+        """Where forward's inputs go: `batch.to(engine.device)`."""
+        return self.accelerator.device
+
+    @property
+    def global_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its machine (torchrun's LOCAL_RANK; 0 without a launcher)."""
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    def train(self, mode: bool = True) -> Engine:
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each parameter group, as the next step will use it."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
 
     # -- reporting -------------------------------------------------------------------------------------------------
     def timeline(self, path=None, *, title: str | None = None, trace=None) -> list[list[Span]]:

@@ -52,10 +52,12 @@ import torch
 from . import checkpoint_tags as tags
 from .checkpoint_format import (
     CHECKSUMS,
+    CLIENT_STATE,
     FORMAT,
     META,
     PUBLISHED,
     STATES,
+    client_state_problem,
     meta_summary,
     model_entries,
     piece_keys,
@@ -75,6 +77,7 @@ __all__ = [
     "META",
     "STATES",
     "CheckpointError",
+    "LoadOptions",
     "checkpoint_folder",
     "complete",
     "consolidate",
@@ -137,20 +140,28 @@ def _raise_together(comm, error, elsewhere, folder: Path) -> None:
         raise
 
 
-def save_checkpoint(engine, path, tag: str | None = None) -> None:
+def save_checkpoint(
+    engine, path, tag: str | None = None, *, client_state=None, save_latest: bool = True
+) -> None:
     """Every rank writes its file into `path/tag`; rank 0 adds meta.json, then points `path/latest` at `tag`.
 
     Until `latest` moves, the previous checkpoint in `path` is the one that loads: a failure (a full disk) or a
     process killed anywhere in between leaves it whole. `tag` defaults to the step, e.g. step00000016.
+    `client_state` (the script's own plain values: its step, its place in the data) is saved in this rank's
+    file and given back by load_checkpoint. `save_latest=False` leaves `latest` where it was.
     """
     path, comm = Path(path), engine.comm
     # Every rank sees the same directory before rank 0 prepares it below: they pick the same default tag.
     tag = tags.check_tag(tags.default_tag(engine.global_steps, path) if tag is None else tag)
     folder = path / tag
-    state = rank_state(engine)
+    # Checked on every rank before anything is written: a value that torch.load(weights_only=True) refuses would
+    # make the whole checkpoint unloadable.
+    error, previous = client_state_problem(client_state), None
+    state = rank_state(engine, client_state)
     kept = f"Any previous checkpoint in {path} is left as it was."
-    error, previous = None, None
-    if comm.rank == 0:  # before any rank writes: the others must not find a folder that is about to go
+    if (
+        comm.rank == 0 and error is None
+    ):  # before any rank writes: the others must not find a folder that is about to go
         try:
             previous = tags.prepare(path, tag)
         except CheckpointError as err:
@@ -173,7 +184,8 @@ def save_checkpoint(engine, path, tag: str | None = None) -> None:
             os.replace(write_temp(target, lambda file: file.write(meta.encode())), target)
             fsync_dir(folder)
             target = path / tags.LATEST
-            tags.publish(path, tag)
+            if save_latest:
+                tags.publish(path, tag)
         except OSError as err:
             error = write_error(target, err, kept)
     _raise_together(comm, error, _elsewhere(kept), folder)  # also a barrier: no rank returns before `latest`
@@ -182,6 +194,15 @@ def save_checkpoint(engine, path, tag: str | None = None) -> None:
 
 
 # -- loading -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LoadOptions:
+    """What of a checkpoint to take (DeepSpeed's load_checkpoint flags): by default everything, to resume."""
+
+    optimizer_states: bool = True  # Adam's m, v and step count; False: they start afresh from the weights
+    lr_scheduler_states: bool = True  # False: the schedule follows the config from its start
+    module_only: bool = False  # the weights alone: no optimizer, schedule, step counters, loss scale or RNG
+
+
 @dataclass(frozen=True)
 class TrainingState:
     """Where the training loop stood when the checkpoint was saved: load_checkpoint returns it, and the engine
@@ -192,19 +213,28 @@ class TrainingState:
     skipped_steps: int
     skipped_in_a_row: int  # engine/divergence.py stops a run at too many
     history: list
-    scaler_state: (
-        dict | None
-    )  # None: the checkpoint's loss scaler is of another kind, the scale starts afresh
+    # None: the checkpoint's loss scaler is of another kind, the scale starts afresh
+    scaler_state: dict | None
 
 
-def load_checkpoint(engine, path) -> TrainingState:
-    """Resume `engine`'s states from checkpoint `path`, saved at any world size and stage: its pieces are re-cut
-    here. Returns the training loop's state, for the engine to take up.
+@dataclass(frozen=True)
+class Loaded:
+    """What load_checkpoint found: the save's folder, the script's client_state, and (unless only the weights
+    were asked for) the training state to resume from."""
+
+    folder: Path
+    client_state: dict
+    training: TrainingState | None
+
+
+def load_checkpoint(engine, path, tag: str | None = None, options: LoadOptions = LoadOptions()) -> Loaded:
+    """Load `engine`'s states from checkpoint `path` (its save `tag`, by default the one `latest` names), saved
+    at any world size and stage: its pieces are re-cut here. Returns what the engine takes up.
 
     Every rank reads every rank file and rebuilds whole fp32 parameters (and m, v) before taking its own
     shard: host memory for three fp32 copies of the model, but the resharding stays obvious.
     """
-    path = tags.checkpoint_folder(path)
+    path = tags.checkpoint_folder(Path(path) / tags.check_tag(tag) if tag is not None else path)
     files = read_rank_files(path)
     saved = files[0]
     check_fits(path, saved, engine.model)
@@ -214,7 +244,16 @@ def load_checkpoint(engine, path) -> TrainingState:
             if not isinstance(tensor, str):
                 tensor.copy_(saved["extras"][key])
     engine.zero_grad()  # gradients of an unfinished accumulation belong to the run we leave
-    _load_scheduler(engine, saved)
+    # Same world size: each rank gets back its own client_state and random stream. Otherwise ranks beyond the
+    # old ones take rank 0's; the streams then differ from the old run's anyway.
+    own = files[engine.comm.rank if engine.comm.rank < len(files) else 0]
+    client_state = own.get(CLIENT_STATE, {})  # checkpoints of earlier versions have none
+    if options.module_only or not options.optimizer_states:
+        _restore_weights_only(engine, full, saved)
+    if options.module_only:
+        return Loaded(path, client_state, None)
+    if options.lr_scheduler_states:
+        _load_scheduler(engine, saved)
     state = TrainingState(
         global_steps=saved["global_steps"],
         micro_steps=saved["micro_steps"],
@@ -224,20 +263,22 @@ def load_checkpoint(engine, path) -> TrainingState:
         history=list(saved.get("history", [])),
         scaler_state=_scaler_state(engine, saved),
     )
-    # Same world size: each rank continues its own random stream. Otherwise ranks beyond the old ones take
-    # rank 0's; the streams then differ from the old run's anyway.
-    rng = files[engine.comm.rank if engine.comm.rank < len(files) else 0]["rng"]
+    rng = own["rng"]
     torch.set_rng_state(rng["cpu"])
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-    _restore_weights(engine, full, saved, state.global_steps)
+    if options.optimizer_states:
+        _restore_weights(engine, full, saved, state.global_steps)
     engine.accelerator.fence_copies()  # the weights landed before the caller can write a parameter itself
-    return state
+    return Loaded(path, client_state, state)
 
 
-def _write_states(engine, full: dict, optimizer_step: float, master: str = "master") -> None:
+def _write_states(
+    engine, full: dict, optimizer_step: float, master: str = "master", *, moments: bool = True
+) -> None:
     """This rank's shards of the masters and moments from the assembled `full`; the masters from `full`'s
-    `master` tensors (the published weights, to publish those)."""
+    `master` tensors (the published weights, to publish those). `moments=False`: m and v start at zero, as in
+    a fresh engine."""
     states, optimizer = engine.states, engine.optimizer
     with torch.no_grad():
         for index, tensors, unit_pieces in units_of(engine, write=True):
@@ -246,8 +287,19 @@ def _write_states(engine, full: dict, optimizer_step: float, master: str = "mast
             optimizer.state[states.master_params[index]]["step"].fill_(optimizer_step)
             for name, start, numel, offset in unit_pieces:
                 for key, tensor in tensors.items():
+                    if key != "master" and not moments:
+                        continue
                     source = master if key == "master" else key
                     tensor[offset : offset + numel].copy_(full[name][source][start : start + numel])
+
+
+def _restore_weights_only(engine, full: dict, saved: dict) -> None:
+    """The weights the saved model's forward read, as masters and published weights; Adam starts afresh (step
+    count 0, m and v zero). Under a pending delayed update those are the published weights, not the landed
+    masters: the module's weights are what was asked for."""
+    weights = PUBLISHED if saved.get("publish_pending", False) else "master"
+    _write_states(engine, full, 0.0, master=weights, moments=False)
+    engine.states.publish()
 
 
 def _restore_weights(engine, full: dict, saved: dict, global_steps: int) -> None:

@@ -15,6 +15,7 @@ step, as the run that saved does.
 from __future__ import annotations
 
 import datetime
+import io
 import math
 import re
 import zlib
@@ -26,6 +27,7 @@ from .durable import host_bytes
 FORMAT = "zero_offload.checkpoint/1"
 META = "meta.json"
 STATES = ("master", "exp_avg", "exp_avg_sq")
+CLIENT_STATE = "client_state"  # the script's own values (engine.save_checkpoint(client_state=...))
 PUBLISHED = "published"  # the weights forward reads, in pieces of a checkpoint with a publish pending
 CHECKSUMS = "crc32"
 RANK_FILE_NAME = re.compile(r"rank(\d{5})-of-(\d{5})\.pt")
@@ -90,8 +92,8 @@ def model_entries(model: torch.nn.Module) -> dict[str, str | torch.Tensor]:
     return {key: names.get(id(tensor), tensor) for key, tensor in model.state_dict(keep_vars=True).items()}
 
 
-def rank_state(engine) -> dict:
-    """Everything this rank writes: plain Python values and CPU tensors only."""
+def rank_state(engine, client_state=None) -> dict:
+    """Everything this rank writes: plain Python values and CPU tensors only, and the script's `client_state`."""
     comm, model, stage = engine.comm, engine.model, engine.config.zero_optimization.stage
     # A delayed update in flight writes the masters and moments: wait for it, but leave its publish to the run.
     pending = engine.updating.land()
@@ -139,6 +141,7 @@ def rank_state(engine) -> dict:
             # Only if CUDA was used: asking an unused CUDA for its state would create a context for nothing.
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
         },
+        CLIENT_STATE: _to_cpu({} if client_state is None else client_state),
     }
     state[CHECKSUMS] = {label: crc32(tensor) for label, tensor in saved_tensors(state).items()}
     return state
@@ -154,7 +157,56 @@ def saved_tensors(state: dict) -> dict[str, torch.Tensor]:
     }
     found.update({f"buffer {key}": tensor for key, tensor in state["extras"].items()})
     found.update({f"rng {key}": t for key, t in state["rng"].items() if isinstance(t, torch.Tensor)})
+    found.update(_tensors_in(state.get(CLIENT_STATE, {}), CLIENT_STATE))  # older checkpoints have none
     return found
+
+
+def _to_cpu(value):
+    """`value` with every tensor in it copied to the host: a rank file is loaded on machines without the device."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _to_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(item) for item in value)
+    return value
+
+
+def _tensors_in(value, label: str) -> dict[str, torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return {label: value}
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, (list, tuple))
+        else ()
+    )
+    found = {}
+    for key, item in items:
+        found.update(_tensors_in(item, f"{label} {key}"))
+    return found
+
+
+def client_state_problem(client_state) -> Exception | None:
+    """Why `client_state` cannot go into a checkpoint, or None. A rank file must load with
+    torch.load(weights_only=True), which refuses objects of arbitrary classes: find that out before saving."""
+    if client_state is None:
+        return None
+    if not isinstance(client_state, dict):
+        return TypeError(f"client_state must be a dict of plain values, got {type(client_state).__name__}")
+    buffer = io.BytesIO()
+    try:
+        torch.save(_to_cpu(client_state), buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception as err:
+        return TypeError(
+            f"client_state cannot be saved so that it loads safely (torch.load(weights_only=True)): {err}. "
+            "Keep it to dicts, lists, tuples, strings, numbers, booleans, None and tensors; turn other "
+            "objects into those (e.g. a sampler's state_dict()) before saving"
+        )
+    return None
 
 
 def crc32(tensor: torch.Tensor) -> int:
