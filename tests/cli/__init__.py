@@ -1,0 +1,1 @@
+"""The commands: `zo train`, plan, bench, demo and grade's callers, the launcher, rendezvous, the GPU check."""
