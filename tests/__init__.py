@@ -1,1 +1,1 @@
-"""The test suite, by area: engine/, modules/ (one course module's source each), cli/, course/, and support/."""
+"""The test suite, by area: engine/, modules/ (the course modules' sources), cli/, course/ and support/."""

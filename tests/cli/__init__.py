@@ -1,1 +1,1 @@
-"""The commands: `zo train`, plan, bench, demo and grade's callers, the launcher, rendezvous, the GPU check."""
+"""The commands: `zo train`, plan, bench and demo, the launcher and its rendezvous, the GPU check."""

@@ -1,1 +1,1 @@
-"""The engine as a whole: its states, configs, checkpoints and resuming, bad input, non-finite values, shutdown."""
+"""The engine as a whole: states, configs, checkpoints, resuming, bad input, non-finite values, shutdown."""

@@ -1,7 +1,8 @@
 """ZeRO-Offload: the same training as on the device, with the fp32 half of the states really on the host.
 
-Runs compare with one process at stage 0 on the same global batch (tests/support/training.py). Clipping is on (the norms
-of this model are about 1.3), so the clip path is compared too; eps is 1e-3 so a wrong gradient scale shows.
+Runs compare with one process at stage 0 on the same global batch (tests/support/training.py). Clipping is
+on (the norms of this model are about 1.3), so the clip path is compared too; eps is 1e-3 so a wrong gradient
+scale shows.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from tests.support.distributed import check, run_ranks
 from tests.support.training import BATCH, SEQ, make_config, max_rel, train_run
 from zero_offload.accelerator import DeviceOutOfMemoryError, EmulatedAccelerator
 from zero_offload.basics import estimate_model_states
-from zero_offload.implementation.offload import Transfers
 from zero_offload.implementation.schedulers import lr_at
 from zero_offload.workloads import TinyGPT, lm_loss
 
@@ -222,32 +222,6 @@ def test_the_learning_rate_follows_the_schedule_and_pauses_on_skipped_steps():
         applied += not record["overflow"]
 
 
-def test_transfers_refuse_casts_and_wrong_directions():
-    accel = EmulatedAccelerator()
-    transfers = Transfers(accel)
-    device16 = accel.empty(8, torch.float16, category="buckets")
-    with pytest.raises(ValueError, match="cast on one side first"):
-        transfers.to_host(torch.empty(8, dtype=torch.float32), device16)
-    with pytest.raises(ValueError, match="from host to host"):
-        transfers.to_device(torch.empty(8, dtype=torch.float16), torch.empty(8, dtype=torch.float16))
-    assert not transfers.bytes
-
-
-def test_pinning_that_fails_falls_back_to_pageable_memory_with_one_warning(monkeypatch):
-    accel = EmulatedAccelerator()
-
-    def no_pinning(shape, dtype, *, pin=False):
-        if pin:
-            raise RuntimeError("cannot lock memory")
-        return torch.empty(shape, dtype=dtype)
-
-    monkeypatch.setattr(accel, "host_empty", no_pinning)
-    with pytest.warns(UserWarning, match="pageable memory"):
-        engine = _engine(accel=accel, offload_optimizer={"device": "cpu", "pin_memory": True})
-    _one_step(engine)
-    assert engine.global_steps == 1
-
-
 def test_a_deepspeed_users_stage2_offload_config_runs_unchanged():
     config = {  # as DeepSpeed's documentation writes them: float bucket sizes, keys we accept and ignore
         "train_batch_size": BATCH,
@@ -316,28 +290,6 @@ def test_offloading_the_weights_without_the_optimizer_is_refused_with_the_fix():
     config = _config(3, offload_param=CPU)
     with pytest.raises(NotImplementedError, match='"offload_optimizer": {"device": "cpu"}'):
         zo.initialize(TinyGPT("nano"), config, accelerator=EmulatedAccelerator())
-
-
-class _NoPinning(EmulatedAccelerator):
-    """An accelerator whose page-locked allocations fail, as they do under a low `ulimit -l`."""
-
-    def host_empty(self, shape, dtype, *, pin=False):
-        if pin:
-            raise RuntimeError("cannot pin memory: locked-memory limit reached")
-        return super().host_empty(shape, dtype)
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-def test_buffers_fall_back_to_pageable_memory_when_pinning_fails(overlap):
-    config = make_config(2, offload_optimizer={"device": "cpu", "pin_memory": True})
-    config["zero_offload"] = {"overlap_offload": overlap}
-    with pytest.warns(UserWarning, match="could not pin host memory"):
-        engine = zo.initialize(TinyGPT("nano"), config, accelerator=_NoPinning())
-    assert not engine.states.flat_grad.is_pinned()
-    x = torch.randint(0, 256, (BATCH, SEQ))
-    engine.backward(lm_loss(engine(x), x))
-    engine.step()
-    assert torch.isfinite(engine.states.master).all()
 
 
 def test_one_rank_offloaded_with_clipping_trains_bit_for_bit_like_stage_0():

@@ -1,1 +1,1 @@
-"""Helpers the tests share (not tests): a fixed corpus, a rank launcher, forced interleavings, training runs."""
+"""Helpers the tests share (no tests): a fixed corpus, a rank launcher, forced interleavings, train runs."""
