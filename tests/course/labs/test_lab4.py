@@ -35,7 +35,8 @@ LEARNER = "tuning/csrc/cpu_adam.c"  # as the compiler names your file in its err
 ENGINE = Path(__file__).resolve().parents[3] / "src" / "zero_offload" / LEARNER  # the reference regions
 
 if not os.environ.get("ZO_GRADING_LAB") and not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
-    # Outside grading, as in tests/test_cpu_adam.py; a grading run fails instead, saying how to get a compiler.
+    # Outside grading, as in tests/modules/test_cpu_adam.py; a grading run fails instead, saying how to get a
+    # compiler.
     pytest.skip("no C compiler on this machine", allow_module_level=True)
 
 
