@@ -276,7 +276,7 @@ for stage, run in runs.items():
 # %% [markdown]
 # 差值是 0：不是"在误差范围内"，而是逐位相同。这并非理所当然。fp16 下求平均的顺序（先除后加还是先加后除）、
 # 同一个梯度分两次舍入，都会让结果差一两个 ulp。这里各阶段都先把梯度除以 N 再求和，两个 fp16 数相加只舍入一次，
-# 所以 all-reduce 与 reduce-scatter 得到的每个元素完全相同。`tests/test_zero.py` 用更严格的方式检查等价性：
+# 所以 all-reduce 与 reduce-scatter 得到的每个元素完全相同。`tests/modules/test_zero.py` 用更严格的方式检查等价性：
 # 与**单进程**在整批数据上训练的结果比较最终权重，并逐步比较梯度范数（第 2 章 2.8 节）。
 
 # %% [markdown]
@@ -305,7 +305,7 @@ for stage, run in runs.items():
 
 # %% [markdown]
 # 账本按张量的真实存储统计，与估算一致。这个模型的每个单元在 N = 2 时恰好不需要填充，所以连字节都相同；
-# N = 3 时会多出几十个填充元素，`tests/test_zero.py` 检查的正是"实测 = 估算 + 报告的填充"。
+# N = 3 时会多出几十个填充元素，`tests/modules/test_zero.py` 检查的正是"实测 = 估算 + 报告的填充"。
 #
 # 注意 stage 0 的 12.73 MiB 与第 1 课单进程时相同：普通数据并行每个进程都存完整的 16 字节/参数。
 #

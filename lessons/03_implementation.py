@@ -550,7 +550,7 @@ print(f"\nthe emulated device itself: offloaded master pinned? {offloaded.states
 #
 # fp16 的梯度溢出时（出现 inf 或 nan），这一步整步跳过：主权重、m、v、fp16 参数都不动，损失缩放减半。
 # 卸载后溢出检查在主机上对 fp32 梯度分片做，每个 rank 只看得见自己的分片，所以本地的判断要经一次 MAX all-reduce
-# 变成所有 rank 的共同判断（Lab 3.4；两个进程的版本在 `tests/labs/test_lab3.py` 里）。
+# 变成所有 rank 的共同判断（Lab 3.4；两个进程的版本在 `tests/course/labs/test_lab3.py` 里）。
 #
 # 学习率调度也只在真正更新了的步之后前进。下面配一个线性预热 5 步的 `WarmupLR`，在第 2 步把 loss 乘以无穷大。
 # `hysteresis` 设为 1，让第一次溢出就把缩放因子减半（DeepSpeed 默认是 2，第一次溢出只消耗"耐心"，见第 1 课第 5 节）：

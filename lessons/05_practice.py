@@ -315,7 +315,7 @@ show(practice_dpu.plot_dpu(dpu_runs, DPU_MODEL, window=5 if SMOKE else 10), "dpu
 # - DPU 换来的是时间：CPU 的 Adam 从关键路径上拿掉了（第 1 节的时间线）。在这台机器上 Adam 只占一步的一小部分，
 #   这笔交易不划算；在 2.3 节那种 CPU 是瓶颈的真机配置上，它能把一步缩短到 max(GPU, CPU)。
 #
-# 落后这么多，会不会是引擎算错了？用纯 PyTorch 写一个"晚一步"的参照（`torch.optim.AdamW`，与 `tests/test_pipeline.py` 里的写法相同）：
+# 落后这么多，会不会是引擎算错了？用纯 PyTorch 写一个"晚一步"的参照（`torch.optim.AdamW`，与 `tests/modules/test_pipeline.py` 里的写法相同）：
 # 每一步先把模型换成"前向该看到的"那份权重算梯度，再换回当前的权重，让 AdamW 用这个梯度更新。
 
 # %%

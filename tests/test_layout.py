@@ -218,3 +218,256 @@ def test_the_checks_see_a_circle_a_climb_and_a_loose_module(tmp_path):
         "(practice -> zero_offload)"
     ]
     assert loose_modules(root) == ["bench.py"]
+
+
+# ------------------------------------------------------------------------------------------ the tests' layout
+TESTS = Path(__file__).resolve().parent
+TEST_AREAS = ("engine", "modules", "cli", "course", "support")
+TESTS_ROOT_FILES = {"__init__.py", "conftest.py", "test_layout.py"}  # the settings, and the shape of it all
+
+
+def test_no_test_file_sits_loose_in_the_tests_root():
+    """Each test lives in its area: engine/ (the engine as a whole), modules/ (one course module's source
+    each), cli/ (the commands), course/ (labs, lessons, figures, the site) and support/ (shared helpers, no
+    tests). A file at the root would be found by nobody who looks for the tests of one area."""
+    loose = sorted(p.name for p in TESTS.iterdir() if p.suffix == ".py" and p.name not in TESTS_ROOT_FILES)
+    assert not loose, f"move {loose} into one of tests/{{{','.join(TEST_AREAS)}}}/"
+    areas = sorted(p.name for p in TESTS.iterdir() if p.is_dir() and any(p.rglob("*.py")))
+    assert areas == sorted(TEST_AREAS), f"tests/ holds the areas {sorted(TEST_AREAS)}, not {areas}"
+    # Every folder is a package: tests import tests.support, and two areas may hold files of the same name.
+    missing = sorted(
+        str(d.relative_to(TESTS))
+        for d in [TESTS, *TESTS.rglob("*")]
+        if d.is_dir() and any(d.glob("*.py"))
+        if not (d / "__init__.py").exists()
+    )
+    assert not missing, f"test folders without an __init__.py: {missing}"
+    assert not list((TESTS / "support").glob("test_*.py")), "support/ holds helpers; its tests go in an area"
+
+
+# ---------------------------------------------------------------------- names and fields that stay at home
+# Each check below has a KNOWN list: today's exceptions, by file, function and expression (no line numbers, so
+# an edit elsewhere in the file does not disturb them). A new case fails the check, and so does a listed case
+# that is gone: the list only shrinks, and says exactly what is left to clean up.
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _defining_module(target: str, files: dict[str, Path]) -> str | None:
+    """The project module `target` (a module, or a name inside one) comes from; None outside the project."""
+    while target not in files and "." in target:
+        target = target.rpartition(".")[0]
+    return target if target in files else None
+
+
+def _short(module: str) -> str:
+    """zero_offload.cli.bench.schedules -> cli.bench.schedules (the root package keeps its name)."""
+    return module.partition(".")[2] or module
+
+
+def private_crossings(root: Path) -> list[str]:
+    """Each private name used outside the package that defines it: `from <module> import _name` (or a private
+    module), and `module._name` where `module` is a project module this file imported."""
+    files = module_files(root)
+    found = set()
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        mine = _package(name)
+        where = path.relative_to(root).as_posix()
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        modules: dict[str, str] = {}  # a local name bound to a project module -> that module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    defining = _defining_module(alias.name, files)
+                    if defining is None:
+                        continue
+                    if alias.asname or "." not in alias.name:  # `import a.b` binds a, not the module a.b
+                        modules[alias.asname or alias.name] = alias.name
+                    if (
+                        any(_is_private(part) for part in alias.name.split("."))
+                        and _package(defining) != mine
+                    ):
+                        found.add(f"{where}: imports {_short(alias.name)} ({mine} -> {_package(defining)})")
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    if full in files:
+                        modules[alias.asname or alias.name] = full
+                    defining = _defining_module(full, files)
+                    if defining and _is_private(alias.name) and _package(defining) != mine:
+                        crossing = f"{mine} -> {_package(defining)}"
+                        found.add(f"{where}: imports {alias.name} from {_short(defining)} ({crossing})")
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules
+                and _is_private(node.attr)
+                and _package(modules[node.value.id]) != mine
+            ):
+                module = modules[node.value.id]
+                found.add(f"{where}: reads {_short(module)}.{node.attr} ({mine} -> {_package(module)})")
+    return sorted(found)
+
+
+KNOWN_PRIVATE_CROSSINGS = {
+    "lessons/practice_steps.py: imports _restored_threads from cli.bench.schedules (lessons -> cli)",
+}
+
+
+def _known_list_holds(found: list[str], known: set[str], name: str, rule: str) -> None:
+    new = sorted(set(found) - known)
+    gone = sorted(known - set(found))
+    assert not new, f"{rule}:\n  " + "\n  ".join(new)
+    assert not gone, f"fixed, so remove from {name} in tests/test_layout.py:\n  " + "\n  ".join(gone)
+
+
+def test_no_private_name_crosses_a_package():
+    """A leading underscore says "this package may change it without telling anyone". A module of another
+    package that imports `_name`, or reads `module._name`, has quietly made it public: a rename inside the
+    defining package then breaks code its authors never look at. Give the name a public spelling in the
+    package that owns it (or move the code that needs it there)."""
+    _known_list_holds(
+        private_crossings(SRC),
+        KNOWN_PRIVATE_CROSSINGS,
+        "KNOWN_PRIVATE_CROSSINGS",
+        "private names used outside their package (make them public where they are defined)",
+    )
+
+
+# Fields of tensors and modules that their holder sets as its own, through torch's API, not another's state.
+OWN_FIELDS = {
+    "data": "a tensor's storage: torch's way to swap what a parameter holds in place",
+    "grad": "a parameter's gradient slot, which torch leaves to whoever computes the gradient",
+    "requires_grad": "autograd's flag on a tensor, set by whoever decides what is trained",
+    "weight": "a submodule's parameter, replaced to tie weights (torch's idiom for embedding and head)",
+}
+
+
+def _attribute_chain(node: ast.expr) -> tuple[ast.expr, list[str]]:
+    """`a.b.c` -> (the Name a, ["b", "c"])."""
+    chain = []
+    while isinstance(node, ast.Attribute):
+        chain.append(node.attr)
+        node = node.value
+    return node, chain[::-1]
+
+
+def _assigned(node: ast.AST) -> list[ast.expr]:
+    """The targets a statement assigns to, tuples unpacked."""
+    if isinstance(node, ast.Assign):
+        pending = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        pending = [node.target]
+    else:
+        return []
+    targets = []
+    while pending:
+        target = pending.pop(0)
+        if isinstance(target, (ast.Tuple, ast.List)):
+            pending.extend(target.elts)
+        elif isinstance(target, ast.Starred):
+            pending.append(target.value)
+        else:
+            targets.append(target)
+    return targets
+
+
+def collaborator_writes(root: Path) -> list[str]:
+    """Each assignment to a field of an object the code only holds: `self.a.b = ...` (a field of self's
+    collaborator a), and `p.x = ...` where p is a parameter of the function, or of one it is nested in."""
+    found = set()
+
+    def walk(node: ast.AST, where: str, qualname: str, params: frozenset[str]) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            args = node.args
+            names = {
+                a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg] if a
+            }
+            if not isinstance(node, ast.Lambda):
+                qualname = f"{qualname}.{node.name}" if qualname else node.name
+            params = params | (names - {"self", "cls"})
+        elif isinstance(node, ast.ClassDef):
+            qualname = f"{qualname}.{node.name}" if qualname else node.name
+        for target in _assigned(node):
+            owner, chain = _attribute_chain(target)
+            if not chain or not isinstance(owner, ast.Name) or chain[-1] in OWN_FIELDS:
+                continue
+            if (owner.id in ("self", "cls") and len(chain) >= 2) or owner.id in params:
+                found.add(f"{where}: {qualname or '<module>'} sets {ast.unparse(target)}")
+        for child in ast.iter_child_nodes(node):
+            walk(child, where, qualname, params)
+
+    for path in module_files(root).values():
+        walk(
+            ast.parse(path.read_text(encoding="utf-8"), str(path)),
+            path.relative_to(root).as_posix(),
+            "",
+            frozenset(),
+        )
+    return sorted(found)
+
+
+KNOWN_COLLABORATOR_WRITES = {
+    "accelerator/emulated.py: EmulatedAccelerator._untrack sets allocation.live",
+    "accelerator/streams.py: _Hold.release sets self.stream._holds",
+    "cli/train/trainer.py: _train sets run.doing",
+    "engine/engine.py: Engine.load_checkpoint sets self.skip_guard.last_checkpoint",
+    "engine/engine.py: Engine.save_checkpoint sets self.skip_guard.last_checkpoint",
+    "engine/engine.py: Engine.step sets self._timeline.step",
+    "engine/model_setup.py: install_upcast_hooks.restore sets module._zo_stored",
+    "engine/model_setup.py: install_upcast_hooks.upcast sets module._zo_stored",
+    "principles/recompute.py: _wrap sets block.forward",
+}
+
+
+def test_no_object_sets_the_fields_of_another():
+    """An object's fields are its own to change. Code that writes `self.guard.last = x`, or sets a field of
+    an object it was handed, reaches past that object's methods: the owner's rules about that field (what must
+    change with it, who else must hear of it) are skipped, and a reader of the owner's class cannot see every
+    way its state changes. Ask the owner instead, with a method that says what happened. Tensors' and modules'
+    own torch fields are exempt (OWN_FIELDS says why, field by field)."""
+    _known_list_holds(
+        collaborator_writes(SRC),
+        KNOWN_COLLABORATOR_WRITES,
+        "KNOWN_COLLABORATOR_WRITES",
+        "fields set from outside their object (give the owner a method that does it)",
+    )
+
+
+def test_the_checks_see_a_private_crossing_and_a_collaborators_field(tmp_path):
+    """Planted cases: each kind is seen, and what the rules allow is not reported."""
+    root = tmp_path / "zero_offload"
+    _write(root / "__init__.py", "")
+    _write(root / "principles" / "__init__.py", "")
+    _write(root / "principles" / "comm.py", "_WIRE = 1\n\n\ndef _send():\n    pass\n")
+    _write(root / "principles" / "zero.py", "from .comm import _WIRE, _send\n")  # the same package: allowed
+    _write(
+        root / "engine" / "__init__.py",
+        "from ..principles.comm import _send\nfrom ..principles import comm\n\n\ndef wire():\n"
+        "    return comm._WIRE + comm.__name__.count('.')\n",
+    )
+    _write(
+        root / "engine" / "states.py",
+        "class States:\n    def __init__(self, guard):\n        self.guard = guard\n        self.count = 0\n"
+        "        self.guard.last = 0\n        guard.owner = self\n\n    def step(self, param, grad):\n"
+        "        param.grad = grad\n        param.data = grad\n        self.count += 1\n\n\n"
+        "def hook(module):\n    def inner():\n        module.stored = None\n\n    return inner\n",
+    )
+    assert private_crossings(root) == [
+        "engine/__init__.py: imports _send from principles.comm (engine -> principles)",
+        "engine/__init__.py: reads principles.comm._WIRE (engine -> principles)",
+    ]
+    assert collaborator_writes(root) == [
+        "engine/states.py: States.__init__ sets guard.owner",
+        "engine/states.py: States.__init__ sets self.guard.last",
+        "engine/states.py: hook.inner sets module.stored",
+    ]

@@ -111,7 +111,8 @@ def stale_reference(model: str, start: int, steps: int, batch: int, corpus) -> l
     """Plain torch: the gradient of step t is taken on the weights before the last update once t > start.
 
     Each step swaps in the weights the forward should see, takes the gradient, swaps the current weights back
-    and lets torch.optim.AdamW apply that gradient (the same construction as tests/test_pipeline.py)."""
+    and lets torch.optim.AdamW apply that gradient (the same construction as
+    tests/modules/test_pipeline.py)."""
     net = TinyGPT(model, seed=0)
     params = list(net.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)

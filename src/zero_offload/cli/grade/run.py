@@ -21,6 +21,7 @@ from .labs import LABS
 from .report import GradeResult, error_line, summarize
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2]  # the zero_offload package: cli/grade/run.py
+LAB_TESTS = Path("tests", "course", "labs")  # the graded tests, in the repository
 TIMEOUT_S = float(os.environ.get("ZO_GRADING_TIMEOUT", 900))  # a deadlocked learner's lab must not hang CI
 
 
@@ -30,8 +31,10 @@ class GradingError(Exception):
 
 def _repo_root(repo_root: str | Path | None) -> Path:
     root = Path(repo_root) if repo_root else PACKAGE_DIR.parents[1]
-    if not (root / "tests" / "labs").is_dir():
-        raise GradingError(f"grading needs a clone of the repository (tests/labs not found in {root})")
+    if not (root / LAB_TESTS).is_dir():
+        raise GradingError(
+            f"grading needs a clone of the repository ({LAB_TESTS.as_posix()} not found in {root})"
+        )
     return root
 
 
@@ -70,7 +73,7 @@ def _run_tests(
         ZO_GRADING_TASKS=",".join(tasks),
     )
     command = [sys.executable, "-m", "pytest", "-q", "-p", "zero_offload.cli.grade.plugin",
-               "-p", "no:cacheprovider", "-p", "no:xdist", "-m", f"lab{lab}", str(repo / "tests" / "labs")]  # fmt: skip
+               "-p", "no:cacheprovider", "-p", "no:xdist", "-m", f"lab{lab}", str(repo / LAB_TESTS)]  # fmt: skip
     if first_failure:  # the tests after it show as "did not run", so their tasks cannot pass either
         command.append("-x")
     try:

@@ -1,0 +1,1 @@
+"""The commands: `zo train`, plan, bench and demo, the launcher and its rendezvous, the GPU check."""

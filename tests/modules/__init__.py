@@ -1,0 +1,1 @@
+"""The course modules' sources: basics, ZeRO and stage 3, offload, tuning, the pipeline and NVMe."""

@@ -1,0 +1,1 @@
+"""Helpers the tests share (no tests): a fixed corpus, a rank launcher, forced interleavings, train runs."""
