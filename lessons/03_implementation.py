@@ -206,7 +206,7 @@ def traced_deliver(j, shard):
         d2h_before = states.transfers.bytes["d2h"]
     deliver(j, shard)
     if j == index:
-        trace["staging"] = float(states.grad_staging[index][pos])
+        trace["staging"] = float(states.buffers.grad_staging[index][pos])
         trace["host_fp32"] = float(states.grad_shards[index][pos])
         trace["unit_d2h"] = states.transfers.bytes["d2h"] - d2h_before
 

@@ -218,7 +218,7 @@ class ShardedStates:
         # The unit's full buffer (self.full_params[index]) was freed after its last use: its shape survives,
         # its memory does not. Allocate the memory again with self.accel.restore_storage(...), then all-gather
         # every rank's `shard` (this rank's weights of the unit, on the device) into it, passing async_op
-        # through. Mark the unit gathered and return the collective's handle. (release() frees it again.)
+        # through. Mark the unit gathered and return the collective's handle. (The gathering's release() frees it.)
         self.accel.restore_storage(self.full_params[index], "parameters")
         work = all_gather_unit(self.comm, self.full_params[index], shard, async_op=async_op)
         unit.gathered = True
