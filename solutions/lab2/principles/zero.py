@@ -122,21 +122,7 @@ class ShardedStates:
             )
         else:
             self.buffers = place_buffers(self.units)
-        # The views the step works on, unit by unit, wherever the placement put their buffers.
-        buffers = self.buffers
-        self.flat_param, self.full_params, self.param_shards = (
-            buffers.flat_param,
-            buffers.full_params,
-            buffers.param_shards,
-        )
-        self.flat_grad, self.full_grads, self.grad_shards = (
-            buffers.flat_grad,
-            buffers.full_grads,
-            buffers.grad_shards,
-        )
-        self.master, self.master_params = buffers.master, buffers.master_params
-        self.exp_avg, self.exp_avg_sq = buffers.exp_avg, buffers.exp_avg_sq
-        self.exp_avgs, self.exp_avg_sqs = buffers.exp_avgs, buffers.exp_avg_sqs
+        self._take_views(self.buffers)
         self._initialise(initial)
         self._unit_of = {
             id(p): (index, i) for index, unit in enumerate(self.units) for i, p in enumerate(unit.params)
@@ -165,13 +151,29 @@ class ShardedStates:
                 overlap=zero.overlap_comm,
                 reduce=reduce_scatter_unit,
                 deliver=self._deliver_gradient,
-                on_unit_complete=self.gathering.release if stage == 3 else None,
+                on_unit_complete=self.gathering.release if self.gathering is not None else None,
             )
             self.buckets.register_hooks()
-        if stage == 3:
+        if self.gathering is not None:
             self.gathering.install_hooks(model, zero.leaf_module, self._unit_of)
 
     # -- layout ----------------------------------------------------------------------------------------------
+    def _take_views(self, buffers) -> None:
+        """The tensors the step works on, flat and unit by unit, wherever the placement put them."""
+        self.flat_param, self.full_params, self.param_shards = (
+            buffers.flat_param,
+            buffers.full_params,
+            buffers.param_shards,
+        )
+        self.flat_grad, self.full_grads, self.grad_shards = (
+            buffers.flat_grad,
+            buffers.full_grads,
+            buffers.grad_shards,
+        )
+        self.master, self.master_params = buffers.master, buffers.master_params
+        self.exp_avg, self.exp_avg_sq = buffers.exp_avg, buffers.exp_avg_sq
+        self.exp_avgs, self.exp_avg_sqs = buffers.exp_avgs, buffers.exp_avg_sqs
+
     def _split(self, flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         return split_flat(flat, sizes)
 

@@ -38,13 +38,12 @@ class States(Protocol):
     params: list[torch.nn.Parameter]  # the unique trainable parameters, whose .data the states own
     numel: int
     dtype: torch.dtype  # the training precision of the weights forward reads
-    master_params: list[
-        torch.Tensor
-    ]  # the fp32 pieces the optimizer updates (views; the NVMe tier's in slots)
-    transfers: (
-        object | None
-    )  # implementation.transfers.Transfers once offloaded (PCIe bytes counted), else None
-    gathering: object | None  # stage 3: principles.stage3_gather.UnitGathering, else None
+    # The fp32 pieces the optimizer updates (views; the NVMe tier's are valid while in their slot).
+    master_params: list[torch.Tensor]
+    # implementation.transfers.Transfers once offloaded (the PCIe bytes counted), else None.
+    transfers: object | None
+    # Stage 3: principles.stage3_gather.UnitGathering, else None (every rank holds the full weights).
+    gathering: object | None
 
     def before_forward(self) -> None: ...
     def before_backward(self) -> None: ...
