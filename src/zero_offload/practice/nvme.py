@@ -157,6 +157,7 @@ class NVMeStates(OffloadedStates):
         # The whole partition is on the host: the engine refuses a partial offload to NVMe.
         super().__init__(model, accel, precision, stage, comm, zero, host_optimizer=swap, **kwargs)
         self.swap = self.buffers.optimizer
+        # What the step, each_unit() and the memory report walk: the sub-groups (units) and their files.
         self.groups, self.files = self.swap.groups, self.swap.files
         self._write_initial([[initial[id(p)] for p in unit.params] for unit in self.units])
 
