@@ -152,10 +152,10 @@ class NVMeStates(OffloadedStates):
         )
         # The model's fp32 values, kept until the files hold them (ShardedStates rebinds the parameters).
         initial = {id(p): p.detach() for p in model.parameters()}
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="zo-nvme-read")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="zo-nvme-write")
         # The whole partition is on the host: the engine refuses a partial offload to NVMe.
         super().__init__(model, accel, precision, stage, comm, zero, host_optimizer=swap, **kwargs)
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="zo-nvme-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="zo-nvme-write")
         self.swap = self.buffers.optimizer
         # What the step, each_unit() and the memory report walk: the sub-groups (units) and their files.
         self.groups, self.files = self.swap.groups, self.swap.files
