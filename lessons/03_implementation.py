@@ -206,7 +206,7 @@ def traced_deliver(j, shard):
         d2h_before = states.transfers.bytes["d2h"]
     deliver(j, shard)
     if j == index:
-        trace["staging"] = float(states.grad_staging[index][pos])
+        trace["staging"] = float(states.buffers.grad_staging[index][pos])
         trace["host_fp32"] = float(states.grad_shards[index][pos])
         trace["unit_d2h"] = states.transfers.bytes["d2h"] - d2h_before
 
@@ -400,7 +400,7 @@ for name, zero in MEM_SETUPS.items():
     eng = zo.initialize(TinyGPT(MEM_MODEL), config(zero), accelerator=acc)
     train(eng, 2)  # the second step is the steady one: stage 3 prefetches only once it has seen the order
     report = eng.memory_report()
-    staging = eng.states.host_staging_bytes() if hasattr(eng.states, "host_staging_bytes") else 0
+    staging = eng.states.host_staging_bytes()
     memory[name] = (report, staging, acc.memory_stats().peak)
 n_mem = memory["stage 0"][0].num_params
 print(f"TinyGPT('{MEM_MODEL}'): {n_mem:,} parameters, one rank, fp16, batch 4\n")

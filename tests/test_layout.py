@@ -1,6 +1,7 @@
 """The layout of src/zero_offload holds its shape: no import cycle, each module package imports only what lies
-below it, the engine composes modules 1-5, `cli/` uses everything and nothing uses it, and no loose modules sit
-beside the shared leaves.
+below it, the engine composes modules 1-5, `cli/` uses everything and nothing uses it, no loose modules sit
+beside the shared leaves, and no class stands on a chain of more than two of the project's classes (what a
+later module adds to an earlier one is a part it is given, not another layer to read through).
 
 The source is read with `ast`; nothing is imported. Every import counts: at module level, inside a function and
 under `if TYPE_CHECKING`. A function-local import hides a circle from Python, not from the reader of the code.
@@ -186,6 +187,112 @@ def test_every_package_has_an_init():
         if d.is_dir() and any(d.glob("*.py")) and not (d / "__init__.py").exists()
     )
     assert not missing, f"folders of modules without an __init__.py: {missing}"
+
+
+# The most project classes one class may stand on: NVMeStates(OffloadedStates(ShardedStates)) is two.
+MAX_CLASS_DEPTH = 2
+
+
+def _relative_base(package: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join(parts + ([node.module] if node.module else []))
+
+
+def class_bases(root: Path) -> dict[str, list[str]]:
+    """Every class of the package, as 'module.Class', with the project classes it derives from directly.
+
+    A base is found through the names its module defines or imports (`from .zero import ShardedStates`, a
+    re-export through a package's __init__ followed to where the class is defined, `module.Class` of an
+    imported module); a base from outside the project (torch, the standard library) is left out."""
+    files = module_files(root)
+    classes: dict[str, dict[str, ast.ClassDef]] = {}
+    names: dict[str, dict[str, str]] = {}  # module -> local name -> the dotted thing it is bound to
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        classes[module] = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        bound = names.setdefault(module, {})
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = _relative_base(package, node)
+                for alias in node.names:
+                    bound[alias.asname or alias.name] = f"{base}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    bound[alias.asname or alias.name.partition(".")[0]] = alias.name if alias.asname else ""
+
+    def resolve(dotted: str, hops: int = 0) -> str | None:
+        """'module.Class' where the class `dotted` names is defined, or None if it is not the project's."""
+        module, _, name = dotted.rpartition(".")
+        if module not in files or hops > 10:
+            return None
+        if name in classes[module]:
+            return dotted
+        target = names[module].get(name)
+        return resolve(target, hops + 1) if target else None
+
+    out = {}
+    for module in files:
+        for name, node in classes[module].items():
+            found = []
+            for base in node.bases:
+                dotted = None
+                if isinstance(base, ast.Name):
+                    dotted = (
+                        f"{module}.{base.id}" if base.id in classes[module] else names[module].get(base.id)
+                    )
+                elif isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name):
+                    owner = names[module].get(base.value.id)
+                    dotted = f"{owner}.{base.attr}" if owner else None
+                where = resolve(dotted) if dotted else None
+                if where is not None:
+                    found.append(where)
+            out[f"{module}.{name}"] = found
+    return out
+
+
+def longest_chains(bases: dict[str, list[str]]) -> dict[str, list[str]]:
+    """For each class, its longest chain of project base classes, nearest first."""
+    chains: dict[str, list[str]] = {}
+
+    def chain(cls: str) -> list[str]:
+        if cls not in chains:
+            chains[cls] = []  # a cycle cannot be written in Python; this only stops a bad resolution looping
+            longest = max(([b, *chain(b)] for b in bases.get(cls, [])), key=len, default=[])
+            chains[cls] = longest
+        return chains[cls]
+
+    return {cls: chain(cls) for cls in bases}
+
+
+def test_no_class_stands_on_more_than_two_of_the_projects_classes():
+    chains = longest_chains(class_bases(SRC))
+    assert chains["zero_offload.practice.nvme.NVMeStates"] == [
+        "zero_offload.implementation.offload.OffloadedStates",
+        "zero_offload.principles.zero.ShardedStates",
+    ]
+    deep = sorted(" <- ".join([cls, *chain]) for cls, chain in chains.items() if len(chain) > MAX_CLASS_DEPTH)
+    assert not deep, (
+        f"classes on more than {MAX_CLASS_DEPTH} project base classes (give the class what varies as a part, "
+        "a constructor argument, instead of another subclass):\n" + "\n".join(deep)
+    )
+
+
+def test_the_class_depth_check_follows_imports_and_re_exports(tmp_path):
+    root = tmp_path / "zero_offload"
+    _write(root / "__init__.py", "")
+    _write(root / "base" / "__init__.py", "from .one import One\n")
+    _write(root / "base" / "one.py", "class One:\n    pass\n")
+    _write(root / "mid.py", "from .base import One\n\nclass Two(One):\n    pass\n")
+    _write(
+        root / "top.py",
+        "import torch\nfrom . import mid\n\nclass Three(mid.Two, torch.nn.Module):\n    pass\n",
+    )
+    chains = longest_chains(class_bases(root))
+    assert chains["zero_offload.top.Three"] == ["zero_offload.mid.Two", "zero_offload.base.one.One"]
+    assert chains["zero_offload.base.one.One"] == []
 
 
 def _write(path: Path, text: str) -> None:

@@ -89,7 +89,7 @@ def _assert_same(got: dict, expected: dict) -> None:
 def _full_weights(engine) -> dict[str, torch.Tensor]:
     if engine.config.zero_optimization.stage == 3:  # only shards are kept between uses: gather them all
         for index in range(len(engine.states.units)):
-            engine.states.gather(index)
+            engine.states.gathering.gather(index)
     return {name: p.detach().float().clone() for name, p in engine.model.named_parameters()}
 
 

@@ -27,7 +27,7 @@ from zero_offload.basics.memory import (
     pinned_block_bytes,
 )
 from zero_offload.engine.model_setup import resident_dtype
-from zero_offload.implementation.offload import OffloadedStates
+from zero_offload.implementation.host_buffers import HostBuffers
 from zero_offload.implementation.transfers import host_buffer
 from zero_offload.units import format_bytes
 
@@ -283,14 +283,12 @@ def test_ledger_and_staging_count_pinned_buffers_rounded(monkeypatch):
     ledger.record("exp_avg", pageable)
     assert ledger.measure().host == 2048
     flat = torch.empty(300, dtype=torch.float16)  # 600 bytes, two views of one pinned block
-    states = SimpleNamespace(
+    buffers = SimpleNamespace(
         grad_staging=[flat[:100], flat[100:]],
-        pipeline=None,
-        offload_param=False,
-        dtype=torch.float16,
+        separate_param_staging=True,
         param_staging=[torch.empty(50, dtype=torch.float16)],  # 100 bytes
     )
-    assert OffloadedStates.host_staging_bytes(states) == 1024 + 128
+    assert HostBuffers.host_staging_bytes(buffers) == 1024 + 128
 
 
 # -- N6: a pinned buffer locks about its own size, not the next power of two ---------------------------------------

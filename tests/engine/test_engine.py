@@ -179,3 +179,28 @@ def test_config_from_a_json_file(tmp_path):
     path.write_text('{"train_batch_size": 4, "bf16": {"enabled": true}}')
     engine = zo.initialize(TinyGPT("nano"), str(path), accelerator=EmulatedAccelerator())
     assert engine.config.precision == "bf16"
+
+
+def test_every_states_object_answers_what_the_engine_asks():
+    """engine/states.py's States protocol: each tier has every call, with the same keywords."""
+    import inspect
+
+    from zero_offload.basics.precision import MixedPrecisionStates
+    from zero_offload.engine.states import States
+    from zero_offload.implementation.offload import OffloadedStates
+    from zero_offload.practice.nvme import NVMeStates
+    from zero_offload.principles.zero import ShardedStates
+
+    calls = [name for name, value in vars(States).items() if inspect.isfunction(value) and name[0] != "_"]
+    assert {"publish", "each_unit", "gathered", "host_staging_bytes", "record"} <= set(calls)
+    for tier in (MixedPrecisionStates, ShardedStates, OffloadedStates, NVMeStates):
+        for name in calls:
+            assert callable(getattr(tier, name, None)), f"{tier.__name__} has no {name}()"
+        assert "rounded" in inspect.signature(tier.publish).parameters, tier
+        assert "write" in inspect.signature(tier.each_unit).parameters, tier
+    for stage, gathers in ((0, False), (2, False), (3, True)):
+        config = {"train_batch_size": 2, "zero_optimization": {"stage": stage}}
+        engine = zo.initialize(torch.nn.Linear(4, 4), config, accelerator=EmulatedAccelerator())
+        assert engine.states.transfers is None and (engine.states.gathering is not None) == gathers
+        assert list(engine.states.each_unit()) == list(range(len(engine.states.master_params)))
+        engine.close()

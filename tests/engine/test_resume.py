@@ -69,7 +69,7 @@ def _finish(engine) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """The weights forward would read next (gathered at stage 3) and the history, less its timings."""
     if engine.config.zero_optimization.stage == 3:
         for index in range(len(engine.states.units)):
-            engine.states.gather(index)
+            engine.states.gathering.gather(index)
     weights = {name: p.detach().clone() for name, p in engine.model.named_parameters()}
     history = [{k: v for k, v in record.items() if k != "adam_seconds"} for record in engine.history]
     engine.close()

@@ -131,9 +131,9 @@ def test_the_states_live_in_files_and_the_host_keeps_only_buffer_count_slots(tmp
         engine = _engine(_config("nvme", precision="fp16", path=tmp_path))
     _train(engine, 1)
     states = engine.states
-    groups, slot = states.groups, states.slot_numel
+    groups, slot = states.groups, states.swap.slot_numel
     sizes = [u.shard_numel for u in states.units]
-    assert len(groups) >= 4 and states.slots == 2
+    assert len(groups) >= 4 and states.swap.slots == 2
     assert slot == max(sum(sizes[i] for i in g) for g in groups) < sum(sizes) / 3
     for buffer in (states.master, states.exp_avg, states.exp_avg_sq):
         assert buffer.numel() == 2 * slot

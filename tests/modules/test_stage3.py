@@ -52,11 +52,11 @@ def test_stage3_prefetches_as_far_as_deepspeeds_stage3_key_says():
 
     assert load_config(make_config(3)).zero_optimization.stage3_prefetch_bucket_size == 50_000_000
     engine = _stage3_engine(stage3_prefetch_bucket_size=3_000)
-    assert engine.states.prefetch_numel == 3_000
+    assert engine.states.gathering.prefetch_numel == 3_000
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = _stage3_engine(allgather_bucket_size=3_000)
-    assert engine.states.prefetch_numel == 50_000_000
+    assert engine.states.gathering.prefetch_numel == 50_000_000
     message = " ".join(str(w.message) for w in caught)
     assert (
         "zero_optimization.allgather_bucket_size (stage 3 prefetches stage3_prefetch_bucket_size)" in message

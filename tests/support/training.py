@@ -49,11 +49,11 @@ def train_run(rank, world_size, config, steps=STEPS, accumulation=1):
             losses.append(float(loss))
         if step == 0:
             traffic = dict(engine.comm.elements)
-            transfers = getattr(engine.states, "transfers", None)  # PCIe bytes, offload only
+            transfers = engine.states.transfers  # PCIe bytes: None unless offloaded
             pcie = dict(transfers.bytes) if transfers is not None else {}
     if engine.config.zero_optimization.stage == 3:
         for index in range(len(engine.states.units)):
-            engine.states.gather(index)
+            engine.states.gathering.gather(index)
     report = engine.memory_report()
     return {
         "weights": {n: p.detach().float().clone() for n, p in model.named_parameters()},

@@ -155,6 +155,11 @@ class MixedPrecisionStates:
     With several ranks (plain data parallelism) the gradients are averaged with an all-reduce before the step.
     """
 
+    transfers = None  # nothing crosses PCIe: every state lives on the device
+    gathering = (
+        None  # every rank always holds the full weights: nothing to gather (ZeRO-3's is stage3_gather.py)
+    )
+
     def __init__(
         self,
         params: list[torch.nn.Parameter],
@@ -254,8 +259,9 @@ class MixedPrecisionStates:
         pieces = [g for grad in grads for g in (grad.split(self.norm_pieces) if self.norm_pieces else [grad])]
         return global_norm(squared_norm(piece) for piece in pieces)
 
-    def publish(self) -> None:
-        """After the fp32 update: round the master weights into the weights the forward pass reads."""
+    def publish(self, *, rounded: bool = False) -> None:
+        """After the fp32 update: round the master weights into the weights the forward pass reads (`rounded`
+        is asked of every states object; Adam on the device never rounds for it)."""
         if self.master is not self.flat_param:
             self.flat_param.copy_(self.master)
 
@@ -273,6 +279,10 @@ class MixedPrecisionStates:
     def host_staging_bytes(self) -> int:
         """Host memory beyond the model states (staging buffers): none while everything lives on the device."""
         return 0
+
+    def each_unit(self, *, write: bool = False):
+        """The index of each piece the optimizer updates (one: the flat master), readable and writable here."""
+        yield from range(len(self.master_params))
 
     def close(self) -> None:
         """Nothing of its own to stop: the engine's streams and the process group are the engine's."""

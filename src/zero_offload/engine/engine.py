@@ -238,7 +238,7 @@ class Engine:
         try:
             if self.config.zero_optimization.stage == 3:
                 for index in range(len(self.states.units)):
-                    self.states.release(index)  # waits for a prefetch still in flight
+                    self.states.gathering.release(index)  # waits for a prefetch still in flight
         finally:
             self.updating.close()
             self.states.close()

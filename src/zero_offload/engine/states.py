@@ -7,10 +7,14 @@
       ... with device "nvme"             module 5's NVMeStates: that half in files, a few sub-groups in memory
 
 Each answers the same questions (reduce the gradients, report an overflow, give the fp32 gradients, publish
-the new weights); who runs Adam over them, and when, is updating.py's.
+the new weights): `States` below writes them down. Who runs Adam over them, and when, is updating.py's.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 
@@ -25,9 +29,48 @@ from ..principles.zero import ShardedStates
 from ..tuning.partial import host_unit_count
 
 
+class States(Protocol):
+    """What the engine, its updaters and checkpoints ask of every states object, in the order of a step.
+
+    The tiers add what their own parts need (OffloadedStates' `host_units`, the NVMe tier's files); the rest
+    of the engine asks only this."""
+
+    params: list[torch.nn.Parameter]  # the unique trainable parameters, whose .data the states own
+    numel: int
+    dtype: torch.dtype  # the training precision of the weights forward reads
+    # The fp32 pieces the optimizer updates (views; the NVMe tier's are valid while in their slot).
+    master_params: list[torch.Tensor]
+    # implementation.transfers.Transfers once offloaded (the PCIe bytes counted), else None.
+    transfers: object | None
+    # Stage 3: principles.stage3_gather.UnitGathering, else None (every rank holds the full weights).
+    gathering: object | None
+
+    def before_forward(self) -> None: ...
+    def before_backward(self) -> None: ...
+    def after_backward(self) -> None: ...
+    def reduce_gradients(self) -> None: ...
+    def overflow(self) -> bool: ...
+    def fp32_gradients(self, inv_scale: float) -> list[torch.Tensor]: ...
+    def grad_norm(self, grads: list[torch.Tensor]) -> float: ...
+
+    def publish(self, *, rounded: bool = False) -> None:
+        """The new weights where forward reads them; `rounded`: the host's Adam already rounded them."""
+
+    def zero_grad(self) -> None: ...
+    def record(self, ledger) -> None: ...
+    def host_staging_bytes(self) -> int: ...
+    def close(self) -> None: ...
+
+    def each_unit(self, *, write: bool = False) -> Iterator[int]:
+        """The index of each master piece, readable (and with `write`, writable) until the next index."""
+
+    def gathered(self, params=None, *, modifier_rank: int | None = None) -> contextlib.AbstractContextManager:
+        """Full weights of `params` until the block ends; with `modifier_rank`, that rank's edits adopted."""
+
+
 def build_states(
     model: torch.nn.Module, params: list, config: Config, accel: Accelerator, comm: Comm, *, loss_scale
-):
+) -> States:
     """The states of `model` (its unique trainable `params`); `loss_scale()` is the current loss scale, which
     the offloaded states divide the gradients by on their way to the host."""
     zero = config.zero_optimization

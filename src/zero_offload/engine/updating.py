@@ -183,10 +183,8 @@ class Updating:
             if not math.isfinite(record["grad_norm"]):
                 how = "without gradient_clipping the C Adam sums the norm in its own pass over the gradients"
                 raise self.skip_guard.poisoned(step + 1, record["grad_norm"], how)
-        if any(update.rounded for update in updates):  # module 4's one pass rounded into the staging buffers
-            self.states.publish(rounded=True)
-        else:
-            self.states.publish()
+        # Module 4's one pass may have rounded into the staging buffers already: then publish only uploads.
+        self.states.publish(rounded=any(update.rounded for update in updates))
         return None
 
     def _delayed_step(self, step: int, record: dict, skip: str | None) -> str | None:

@@ -79,9 +79,7 @@ def units_of(engine, *, write: bool = False):
     pieces: dict[int, list] = {}
     for name, start, numel, index, offset in _pieces(engine):
         pieces.setdefault(index, []).append((name, start, numel, offset))
-    each_unit = getattr(engine.states, "each_unit", None)
-    indices = each_unit(write=write) if each_unit else range(len(engine.states.master_params))
-    for index in indices:
+    for index in engine.states.each_unit(write=write):
         yield index, _optimizer_tensors(engine, index), pieces.get(index, [])
 
 

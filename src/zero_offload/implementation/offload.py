@@ -20,21 +20,22 @@ Stage 3 with `offload_param` goes further: the fp16 weight shards live on the ho
 each time their layer is gathered (forward and again for backward).
 
 The lab functions and the step are here; where each buffer lives (the host's and the device's allocations,
-and their accounting) is in host_buffers.py, which OffloadedStates inherits.
+and their accounting) is host_buffers.HostBuffers, the placement OffloadedStates hands to ShardedStates.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
 from ..accelerator import Accelerator
 from ..basics.norm import global_norm, squared_norm
-from ..basics.precision import has_overflow, unscaled_fp32
+from ..basics.precision import LOW_PRECISION, has_overflow, unscaled_fp32
 from ..principles.comm import Comm
-from ..principles.zero import all_gather_unit
-from .host_buffers import HostBufferStates
+from ..principles.zero import ShardedStates, all_gather_unit
+from .host_buffers import HostBuffers
 from .transfers import Transfers
 
 
@@ -164,13 +165,14 @@ class _Landing:
         return True
 
 
-class OffloadedStates(HostBufferStates):
+class OffloadedStates(ShardedStates):
     """ZeRO stage 1-3 with the optimizer (and at stage 3 optionally the weights) on the host.
 
     Every unit's optimizer states and gradients live on the host. Module 4's partial offload
     (tuning/partial.py, host_unit_count) passes `host_units`: only that many leading units there and the others
     on the device, as ZeRO-2 would; the code below handles both. Where each buffer is allocated, and how the memory
-    report counts it, is inherited from host_buffers.HostBufferStates.
+    report counts it, is `self.buffers`, a host_buffers.HostBuffers; `host_optimizer` (module 5's NVMe tier)
+    replaces the host units' fp32 master, m and v in it.
     """
 
     def __init__(
@@ -185,26 +187,38 @@ class OffloadedStates(HostBufferStates):
         loss_scale: Callable[[], float],
         pipelined: bool = False,
         host_units: int | None = None,
+        host_optimizer=None,
     ):
+        placement = functools.partial(
+            HostBuffers,
+            accel=accel,
+            dtype=LOW_PRECISION[precision],
+            stage=stage,
+            host_units=host_units,  # None: every unit
+            offload_param=zero.offload_param.enabled,
+            pin_param=zero.offload_param.pin_memory,
+            pin_optimizer=zero.offload_optimizer.pin_memory,
+            # Module 5's pipeline stages gradients through slots of its own: no full-size staging buffer here.
+            pipelined=pipelined,
+            host_optimizer=host_optimizer,
+        )
+        # Gradients leave the device as backward makes them, at every stage.
+        super().__init__(
+            model, accel, precision, stage, comm, zero, partition_gradients=True, place_buffers=placement
+        )
+        buffers = self.buffers
+        self.host_units, self.host_fraction = buffers.host_units, buffers.host_fraction
+        self.offload_param, self.pin_optimizer = buffers.offload_param, buffers.pin_optimizer
+        self.param_staging = buffers.param_staging  # what publish() uploads from (host_buffers.py)
         self.transfers = Transfers(accel, timeline=comm.timeline)
-        self.host_units = host_units  # None: every unit (the buffers are placed from it, inside __init__)
-        # Module 5's pipeline stages gradients through slots of its own: no full-size staging buffer here.
-        self.pipelined = pipelined
         self.loss_scale = loss_scale  # read as each shard arrives: gradients reach the host unscaled
-        self.offload_param = zero.offload_param.enabled
-        self.pin_optimizer = zero.offload_optimizer.pin_memory
-        self.pin_param = zero.offload_param.pin_memory
         self._uploads: dict[int, torch.Tensor] = {}  # stage 3: shards on their way to a gather
         # Stage 3 with offload_param: each gather's upload and all-gather queue on a stream of their own, so the
         # copy hides behind compute and only the unit's reader waits for it.
-        self._param_stream = accel.new_stream("zo-param-h2d") if zero.offload_param.enabled else None
+        self._param_stream = accel.new_stream("zo-param-h2d") if self.offload_param else None
         # Module 5's overlapped pipeline (practice/pipeline.py), when on: it moves the host units' gradients
         # down during backward and their weights up after Adam, and says which units it has published.
         self.pipeline = None
-        super().__init__(model, accel, precision, stage, comm, zero)
-
-    def _partitions_gradients(self) -> bool:
-        return True  # gradients leave the device as backward makes them, at every stage
 
     def hand_gradients_to(self, pipeline) -> None:
         """From now on the host units' gradient shards go to `pipeline` (module 5) as they are reduced, and it
@@ -217,9 +231,8 @@ class OffloadedStates(HostBufferStates):
             return super()._deliver_gradient(index, shard)
         if self.pipeline is not None:  # module 5: queued, backward goes on while it crosses
             return self.pipeline.receive(index, shard)
-        gradients_to_host(
-            self.transfers, shard, self.grad_staging[index], self.grad_shards[index], 1.0 / self.loss_scale()
-        )
+        staging = self.buffers.grad_staging[index]
+        gradients_to_host(self.transfers, shard, staging, self.grad_shards[index], 1.0 / self.loss_scale())
 
     # -- stage 3 with offload_param: a shard crosses PCIe each time its unit is gathered ----------------------
     def _shard_on_device(self, index: int) -> torch.Tensor:
@@ -241,20 +254,17 @@ class OffloadedStates(HostBufferStates):
             return None
         return _Landing(work, landed, self.accel)
 
-    def release(self, index: int) -> None:
-        super().release(index)
-        self._uploads.pop(index, None)
-
-    def gather(self, index: int, *, prefetch: bool = True) -> None:
-        super().gather(index, prefetch=prefetch)
-        self._uploads.pop(index, None)
+    def _gather_landed(self, index: int) -> None:
+        self._uploads.pop(index, None)  # the gather that read this upload has finished
 
     # -- the step ---------------------------------------------------------------------------------------------
     def overflow(self) -> bool:
         on_host = overflow_on_any_rank(self.comm, self.flat_grad)
         if self.host_units == len(self.units):
             return on_host
-        on_device = self.comm.any(has_overflow(self.device_grad))  # every rank asks both: collectives pair up
+        on_device = self.comm.any(
+            has_overflow(self.buffers.device_grad)
+        )  # every rank asks both: collectives pair up
         return on_host or on_device
 
     def fp32_gradients(self, inv_scale: float) -> list[torch.Tensor]:
@@ -263,7 +273,9 @@ class OffloadedStates(HostBufferStates):
         host = self.grad_shards[: self.host_units]  # fp32 already, and unscaled on arrival (Lab 3.1)
         if self.host_units == len(self.units):
             return host
-        device = unscaled_fp32(self.accel, self.device_grad, inv_scale)  # the units updated on the device
+        device = unscaled_fp32(
+            self.accel, self.buffers.device_grad, inv_scale
+        )  # the units updated on the device
         return host + self._split(device, [u.shard_numel for u in self.units[self.host_units :]])
 
     def after_backward(self) -> None:
@@ -280,7 +292,7 @@ class OffloadedStates(HostBufferStates):
                 if self.offload_param:
                     continue
             elif index >= self.host_units:  # updated on the device: round there, nothing crosses the link
-                if self.device_master is not None:
+                if self.buffers.device_master is not None:
                     self.param_shards[index].copy_(self.master_params[index])
             elif self.offload_param:  # the weights stay on the host: round into the host shard, no upload
                 if not rounded:
@@ -314,4 +326,10 @@ class OffloadedStates(HostBufferStates):
             self.pipeline.zero_grad()
         else:
             self.flat_grad.zero_()
-        self.device_grad.zero_()
+        self.buffers.device_grad.zero_()
+
+    # -- what the memory report counts (host_buffers.py) -------------------------------------------------------
+    def host_staging_bytes(self) -> int:
+        """Host memory beyond the model states: the staging buffers, the placement's and module 5's pipeline's."""
+        pipeline_staging = self.pipeline.staging_buffers() if self.pipeline is not None else []
+        return self.buffers.host_staging_bytes(pipeline_staging)

@@ -39,7 +39,7 @@ def partial_run(model: str, ratio: float | None, steps: int, corpus, batch: int 
         engine.step()
         losses.append(loss.item())
     report, states = engine.memory_report(), engine.states
-    transfers = getattr(states, "transfers", None)  # no offload: no link, no counters
+    transfers = states.transfers  # None without offload: no link, no counters
     adam = [h["adam_seconds"] for h in engine.history[1:] if not h["overflow"]]  # step 0 touches fresh pages
     return dict(
         params=engine.num_params,

@@ -23,24 +23,31 @@ files, and the step raises NVMeError on every rank. The engine is then where it 
 global_steps, loss scale and schedule had not moved yet); only that step's gradients are still accumulated:
 call engine.zero_grad(), free space, and train on.
 
-The files themselves, their lock and their checksums are nvme_files.py's: this process's scratch space, and no
-one else's; a file changed underneath raises instead of being trained on.
+The slots and the files are `NVMeSlots`, the part OffloadedStates is given in place of the host's in-memory
+optimizer states (implementation/host_buffers.py); NVMeStates moves the sub-groups through them. The files
+themselves, their lock and their checksums are nvme_files.py's: this process's scratch space, and no one
+else's; a file changed underneath raises instead of being trained on.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
 
+from ..accelerator import Accelerator
 from ..implementation.offload import OffloadedStates
+from ..implementation.transfers import host_buffer
 from ..implementation.updaters import Update
+from ..principles.comm import Comm
+from ..principles.device_buffers import split_flat
 from ..principles.zero import fill_shard
 from .nvme_files import STATES, NVMeError, NVMePathError, SwapFiles, os_error
 
-__all__ = ["STATES", "NVMeError", "NVMePathError", "NVMeStates", "SwapFiles", "sub_groups"]
+__all__ = ["STATES", "NVMeError", "NVMePathError", "NVMeSlots", "NVMeStates", "SwapFiles", "sub_groups"]
 
 _LEDGER_NAMES = ("master_weights", "exp_avg", "exp_avg_sq")
 
@@ -62,32 +69,107 @@ def _timed(fn, *args):
     return fn(*args), start, time.perf_counter()
 
 
+def agree_on_files(comm: Comm, error: Exception | None) -> None:
+    """Raise on every rank if any rank could not use its swap files (`error`: this rank's, or None)."""
+    elsewhere = NVMeError("another rank could not use its NVMe swap files; see that rank's error")
+    comm.raise_together(error, elsewhere)
+
+
+class NVMeSlots:
+    """This rank's fp32 master, m and v for the NVMe tier: `buffer_count` host slots, each the size of the
+    largest sub-group, and the files every sub-group lives in between steps.
+
+    The same shape as host_buffers.HostOptimizerStates (flat `master`, `exp_avg`, `exp_avg_sq`, per-unit views
+    `master_params`, `exp_avgs`, `exp_avg_sqs`), except that the views of sub-group g are valid only while g is
+    in its slot. The files are prepared here, on every rank together; if any rank fails, none keeps its files."""
+
+    masters_stay_in_memory = False  # each master leaves its slot: publish() uploads from a staging copy
+
+    def __init__(
+        self,
+        sizes: list[int],
+        accel: Accelerator,
+        comm: Comm,
+        *,
+        nvme_path,
+        buffer_count: int,
+        sub_group_size: int,
+        pin: bool,
+    ):
+        self.groups = sub_groups(sizes, sub_group_size)
+        numels = [sum(sizes[i] for i in group) for group in self.groups]
+        self.files = SwapFiles(nvme_path, comm.rank, numels)
+        error = None
+        try:
+            self.files.prepare()
+        except NVMeError as err:
+            error = err
+        try:
+            agree_on_files(comm, error)
+        except NVMeError:
+            self.files.remove()  # these states will not exist: nothing would close them
+            raise
+        self.slots, self.slot_numel = min(buffer_count, len(self.groups)), max(numels)
+        # One flat buffer per state, cut into slots: what the ledger counts as host memory for the states.
+        flat = [host_buffer(accel, self.slots * self.slot_numel, torch.float32, pin=pin) for _ in STATES]
+        self.master, self.exp_avg, self.exp_avg_sq = flat
+        self.group_views = []  # per sub-group: its range of each state's slot
+        lists = self.master_params, self.exp_avgs, self.exp_avg_sqs = [], [], []
+        for g, (group, numel) in enumerate(zip(self.groups, numels, strict=True)):
+            base = (g % self.slots) * self.slot_numel
+            views = [buffer[base : base + numel] for buffer in flat]
+            self.group_views.append(views)
+            for out, view in zip(lists, views, strict=True):
+                out.extend(split_flat(view, [sizes[i] for i in group]))
+
+    def record(self, ledger) -> None:
+        ledger.record("master_weights", self.master)  # the slots count as host memory for master, m and v
+        ledger.record("exp_avg", self.exp_avg)
+        ledger.record("exp_avg_sq", self.exp_avg_sq)
+        for g in range(len(self.groups)):
+            for name, state in zip(_LEDGER_NAMES, STATES, strict=True):
+                ledger.record_file(name, self.files.path(g, state))
+
+
 class NVMeStates(OffloadedStates):
     """OffloadedStates whose fp32 master weights and moments live in files, sub-group by sub-group.
 
-    master_params, exp_avgs and exp_avg_sqs are views into the slots: those of sub-group g are valid only while
-    g is in its slot (during step(), or each_unit()). The staging buffers always hold the rounded master weights.
+    master_params, exp_avgs and exp_avg_sqs are views into the slots (`self.swap`, an NVMeSlots): those of
+    sub-group g are valid only while g is in its slot (during step(), or each_unit()). The staging buffers
+    always hold the rounded master weights.
     """
 
     def __init__(self, model, accel, precision, stage, comm, zero, **kwargs):
         options = zero.offload_optimizer
-        self.nvme_path, self.buffer_count = options.nvme_path, options.buffer_count
-        self.sub_group_size = zero.sub_group_size
+        swap = functools.partial(
+            NVMeSlots,
+            accel=accel,
+            comm=comm,
+            nvme_path=options.nvme_path,
+            buffer_count=options.buffer_count,
+            sub_group_size=zero.sub_group_size,
+            pin=options.pin_memory,
+        )
+        # The model's fp32 values, kept until the files hold them (ShardedStates rebinds the parameters).
+        initial = {id(p): p.detach() for p in model.parameters()}
+        # The whole partition is on the host: the engine refuses a partial offload to NVMe.
+        super().__init__(model, accel, precision, stage, comm, zero, host_optimizer=swap, **kwargs)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="zo-nvme-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="zo-nvme-write")
-        super().__init__(model, accel, precision, stage, comm, zero, **kwargs)
+        self.swap = self.buffers.optimizer
+        # What the step, each_unit() and the memory report walk: the sub-groups (units) and their files.
+        self.groups, self.files = self.swap.groups, self.swap.files
+        self._write_initial([[initial[id(p)] for p in unit.params] for unit in self.units])
 
     def close(self) -> None:
         """Finish the reads and writes in flight, stop their threads, and remove the files (engine.close())."""
         super().close()
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
-        if hasattr(self, "files"):
-            self.files.remove()
+        self.files.remove()
 
     def _agree(self, error: Exception | None) -> None:
-        elsewhere = NVMeError("another rank could not use its NVMe swap files; see that rank's error")
-        self.comm.raise_together(error, elsewhere)
+        agree_on_files(self.comm, error)
 
     def adopt_full_weights(self, indices, source_rank: int) -> None:
         raise NotImplementedError(
@@ -95,49 +177,10 @@ class NVMeStates(OffloadedStates):
             "live in files; edit the weights before zo.initialize, or load them with engine.load_checkpoint"
         )
 
-    def _allocate_optimizer_states(self, shard_numel: int) -> None:
-        sizes, _ = self._placement()  # the whole partition: the engine refuses a partial offload to NVMe
-        self.groups = sub_groups(sizes, self.sub_group_size)
-        numels = [sum(sizes[i] for i in group) for group in self.groups]
-        self.files = SwapFiles(self.nvme_path, self.comm.rank, numels)
-        error = None
-        try:
-            self.files.prepare()
-        except NVMeError as err:
-            error = err
-        try:
-            self._agree(error)
-        except NVMeError:
-            self.files.remove()  # this engine will not exist: nothing would close it
-            raise
-        self.slots, self.slot_numel = min(self.buffer_count, len(self.groups)), max(numels)
-        # One flat buffer per state, cut into slots: what the ledger counts as host memory for the states.
-        flat = [self._host(self.slots * self.slot_numel, torch.float32, self.pin_optimizer) for _ in STATES]
-        self.master, self.exp_avg, self.exp_avg_sq = flat
-        self._group_views = []  # per sub-group: its range of each state's slot
-        lists = self.master_params, self.exp_avgs, self.exp_avg_sqs = [], [], []
-        for g, (group, numel) in enumerate(zip(self.groups, numels, strict=True)):
-            base = (g % self.slots) * self.slot_numel
-            views = [buffer[base : base + numel] for buffer in flat]
-            self._group_views.append(views)
-            for out, view in zip(lists, views, strict=True):
-                out.extend(self._split(view, [sizes[i] for i in group]))
-        self.device_master = None
-        self.device_exp_avg = self.accel.zeros(0, torch.float32, category="optimizer_states")
-        self.device_exp_avg_sq = self.accel.zeros(0, torch.float32, category="optimizer_states")
-        # Even fp32 weights need their own staging buffer: the master they were rounded from leaves its slot.
-        if self.offload_param:
-            self.param_staging = self.param_shards
-        else:
-            self.param_staging = self._split(self._host(sum(sizes), self.dtype, self.pin_optimizer), sizes)
-
     @torch.no_grad()
-    def _initialise(self, initial: list[torch.Tensor]) -> None:
-        super()._initialise(initial)  # each unit passes through its slot into the weights forward reads
-        values, start = [], 0
-        for unit in self.units:
-            values.append(initial[start : start + len(unit.params)])
-            start += len(unit.params)
+    def _write_initial(self, values: list[list[torch.Tensor]]) -> None:
+        """Each sub-group's masters from the model's fp32 `values` (per unit), zero moments, into its files; the
+        weights forward reads were already rounded from them, one unit at a time, as the states set up."""
         error = None
         try:
             for g, group in enumerate(self.groups):
@@ -157,7 +200,7 @@ class NVMeStates(OffloadedStates):
 
     # -- moving sub-groups ----------------------------------------------------------------------------------
     def _read_group(self, g: int) -> None:
-        for state, view in zip(STATES, self._group_views[g], strict=True):
+        for state, view in zip(STATES, self.swap.group_views[g], strict=True):
             try:
                 self.files.read(g, state, view)
             except OSError as err:
@@ -166,7 +209,7 @@ class NVMeStates(OffloadedStates):
     def _write_group(self, g: int) -> list[tuple[Path, Path, int]]:
         written = []
         try:
-            for state, view in zip(STATES, self._group_views[g], strict=True):
+            for state, view in zip(STATES, self.swap.group_views[g], strict=True):
                 written.append(self.files.write(g, state, view))
         except BaseException as err:
             self.files.discard(written)
@@ -190,19 +233,20 @@ class NVMeStates(OffloadedStates):
         """Adam over the whole partition, sub-group by sub-group, with reads ahead and writes behind."""
         optimizer = host_adam.optimizer
         counts = [optimizer.state[master]["step"].clone() for master in self.master_params]
-        reads, writes, last_write, error = [], [], [None] * self.slots, None
+        slots = self.swap.slots
+        reads, writes, last_write, error = [], [], [None] * slots, None
         try:
             for g, group in enumerate(self.groups):
                 # The slots of g .. g+B-1 last held g-B .. g-1, whose writes have all been queued by now.
-                while len(reads) < min(g + self.slots, len(self.groups)):
+                while len(reads) < min(g + slots, len(self.groups)):
                     ahead = len(reads)
-                    reads.append(self._reader.submit(self._read_after, ahead, last_write[ahead % self.slots]))
+                    reads.append(self._reader.submit(self._read_after, ahead, last_write[ahead % slots]))
                 reads[g].result()
                 host_adam.step(self, grads, clip_factor, units=group)
                 if not host_adam.rounds_in_pass:  # module 4's C Adam rounds into the staging buffers itself
                     self._round(group)
-                last_write[g % self.slots] = self._writer.submit(_timed, self._write_group, g)
-                writes.append(last_write[g % self.slots])
+                last_write[g % slots] = self._writer.submit(_timed, self._write_group, g)
+                writes.append(last_write[g % slots])
         except Exception as err:
             error = err
         written, io_error = self._drain(reads, writes)
@@ -259,19 +303,6 @@ class NVMeStates(OffloadedStates):
         # The staging buffers always hold the rounded masters (step() and each_unit() round each sub-group
         # before it leaves its slot): whatever the caller was told, they only need the upload.
         super().publish(rounded=True)
-
-    # -- where the bytes are ------------------------------------------------------------------------------
-    def record(self, ledger) -> None:
-        super().record(ledger)  # the slots count as host memory for master, m and v
-        for g in range(len(self.groups)):
-            for name, state in zip(_LEDGER_NAMES, STATES, strict=True):
-                ledger.record_file(name, self.files.path(g, state))
-
-    def host_staging_bytes(self) -> int:
-        extra = 0
-        if self.dtype == torch.float32 and not self.offload_param:  # the CPU tier uploads from its master
-            extra = self.param_staging[0].untyped_storage().nbytes()
-        return super().host_staging_bytes() + extra
 
 
 class NVMeUpdater:

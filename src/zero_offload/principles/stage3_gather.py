@@ -1,42 +1,64 @@
 """ZeRO-3's weights on demand: a unit is gathered just before it is used, released right after, and the units
 that come next are prefetched in the order the first pass showed.
 
-zero.py's ShardedStates inherits this. The collective that fills a unit's buffer (`_start_gather`, Lab 2.4)
-stays in zero.py with the other collectives; the hooks that say when a unit is needed are in stage3_params.py.
-At stages 1 and 2 every rank always holds the full weights: there only `gathered` and `adopt_full_weights`
-do anything.
+At stage 3 ShardedStates (zero.py) owns one `UnitGathering` as `states.gathering`; the hooks that say when a
+unit is needed (stage3_params.py) call it. The gathering keeps the order, the cursor and which units are held;
+how a unit's buffer is filled it is told: the all-gather in zero.py (`ShardedStates._start_gather`, Lab 2.4),
+or module 3's, which first uploads the host's shard on a stream of its own (offload.py). At stages 1 and 2
+every rank always holds the full weights: there is no gathering, and `states.gathered` only adopts edits.
 """
 
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Callable
 
 import torch
 
+from ..accelerator import Accelerator
+from .comm import Comm
+from .partition import Unit
 from .stage3_leaves import GatherOrderError, find_leaf_modules, order_problem
 from .stage3_params import ParameterAccess
 
 END_OF_PASS = -1  # what a rank that has reached the end of a pass tells the others it gathers next
 
 
-class GatheredWeights:
-    """Stage 3's gather, prefetch and release of units, for ShardedStates (which provides `units`, `accel`,
-    `comm`, `stage`, the weight buffers and `_start_gather`)."""
+class UnitGathering:
+    """Stage 3's gather, prefetch and release of units, for the states that own it.
 
-    def _init_gathering(self, prefetch_numel: int) -> None:
+    `start_gather(index, async_op=...)` fills unit `index`'s full buffer and marks it gathered (returning a
+    handle to wait on when `async_op`); `after_gather(index)`, if given, is told when the unit's gather has
+    landed or been given up, so whatever that gather read may go; `adopt(indices, rank)` makes what `rank`
+    wrote into the full weights of `indices` everyone's (gathered_parameters(modifier_rank=...))."""
+
+    def __init__(
+        self,
+        units: list[Unit],
+        accel: Accelerator,
+        comm: Comm,
+        full_params: list[torch.Tensor],
+        *,
+        prefetch_numel: int,
+        start_gather: Callable[..., object],
+        adopt: Callable[[list[int], int], None],
+        after_gather: Callable[[int], None] | None = None,
+    ):
+        self.units, self.accel, self.comm, self.full_params = units, accel, comm, full_params
         self.prefetch_numel = prefetch_numel
+        self._start_gather, self._after_gather = start_gather, after_gather
+        self.adopt_full_weights = adopt
         self._order = {"forward": [], "backward": []}  # units in the order the first pass of each used them
         self._recorded = {"forward": False, "backward": False}
         self._phase, self._cursor = "forward", -1
         self.held: set[int] = set()  # units gathered_parameters() keeps gathered
-        self.access = None  # stage 3: stage3_params.ParameterAccess
+        self.access = None  # stage3_params.ParameterAccess, once install_hooks has run
 
-    def _install_gather_hooks(self, model: torch.nn.Module, leaf_config) -> None:
+    def install_hooks(self, model: torch.nn.Module, leaf_config, unit_of: dict[int, tuple[int, int]]) -> None:
         """Gather each module's units before its forward and backward, release them after (stage3_params.py
         also covers the reads of a parameter outside its own module's forward); a leaf module's whole subtree
         at once (stage3_leaves.py)."""
         leaves = find_leaf_modules(model, leaf_config)
-        self.access = ParameterAccess(self, model, self._unit_of, leaves)
+        self.access = ParameterAccess(self, model, unit_of, leaves)
 
     def _agree_on_unit(self, index: int) -> None:
         """Before a collective fills unit `index` (or, END_OF_PASS, when a pass ends): every rank must be at the
@@ -65,6 +87,8 @@ class GatheredWeights:
             self._start_gather(index, async_op=False)
         if prefetch:
             self._prefetch_after(index)
+        if self._after_gather is not None:
+            self._after_gather(index)
 
     def _prefetch_after(self, index: int) -> None:
         """Start the all-gathers of the units that come next, up to `stage3_prefetch_bucket_size` elements ahead.
@@ -94,6 +118,11 @@ class GatheredWeights:
                 self.units[nxt].pending = self._start_gather(nxt, async_op=True)
 
     def release(self, index: int) -> None:
+        self._release(index)
+        if self._after_gather is not None:
+            self._after_gather(index)
+
+    def _release(self, index: int) -> None:
         if index in self.held:  # inside gathered_parameters(): kept until the block ends
             return
         unit = self.units[index]
@@ -104,40 +133,13 @@ class GatheredWeights:
             self.accel.free_storage(self.full_params[index])
             unit.gathered = False
 
-    def _begin_phase(self, phase: str) -> None:
-        if self.stage == 3:
-            # A rank still gathering for the pass that ends here would otherwise hang on it.
-            self._agree_on_unit(END_OF_PASS)
-            if self._order[self._phase]:
-                self._recorded[self._phase] = True  # the pass that just ended has shown its order
-            for index in range(len(self.units)):
-                self.release(index)  # a prefetch the pass did not use
-            self._phase, self._cursor = phase, -1
-            self.access.begin_phase(phase)
-
-    @contextlib.contextmanager
-    def gathered(self, params=None, *, modifier_rank: int | None = None):
-        """Full weights of `params` (default: all) until the block ends; with `modifier_rank`, what that rank
-        wrote into them becomes every rank's weights and fp32 masters. Every rank must enter it."""
-        if self.stage == 3:
-            with self.access.gathered(params, modifier_rank=modifier_rank):
-                yield
-            return
-        yield  # stages 1 and 2 always hold the full weights
-        if modifier_rank is not None:
-            self.adopt_full_weights(range(len(self.units)), modifier_rank)
-
-    @torch.no_grad()
-    def adopt_full_weights(self, indices, source_rank: int) -> None:
-        """The full weights of units `indices` on `source_rank` become everyone's: weight shards and masters."""
-        if not 0 <= source_rank < self.comm.world_size:
-            raise ValueError(
-                f"modifier_rank={source_rank} is not a rank of this job of {self.comm.world_size}"
-            )
-        for index in indices:
-            full, layout = self.full_params[index], self.units[index].layout
-            self.comm.broadcast(full, source_rank)
-            shard = full[layout.start : layout.end]
-            for target in (self.param_shards[index], self.master_params[index]):
-                if target.data_ptr() != shard.data_ptr():
-                    target.copy_(shard)
+    def begin_phase(self, phase: str) -> None:
+        """A forward or a backward starts: the pass that ends here has shown its order."""
+        # A rank still gathering for the pass that ends here would otherwise hang on it.
+        self._agree_on_unit(END_OF_PASS)
+        if self._order[self._phase]:
+            self._recorded[self._phase] = True
+        for index in range(len(self.units)):
+            self.release(index)  # a prefetch the pass did not use
+        self._phase, self._cursor = phase, -1
+        self.access.begin_phase(phase)

@@ -1,7 +1,8 @@
 """ZeRO-3's parameters wherever a program reads them, not only inside their own module's forward.
 
 At stage 3 a parameter's memory is freed between uses; its unit is gathered by hooks on the module that
-registered it (zero.py). Real models read parameters in other places too, and each must find them present:
+registered it (the states' UnitGathering, stage3_gather.py, installs them). Real models read parameters in
+other places too, and each must find them present:
 
 - inside another module's forward: `nn.MultiheadAttention` reads `out_proj.weight` without calling `out_proj`.
   Every stage-3 parameter is a `PartitionedParameter`, whose `__torch_function__` sees any torch op that reads
@@ -81,8 +82,9 @@ class PartitionedAccessError(RuntimeError):
 class ParameterAccess:
     """The hooks and the bookkeeping that let every read of a stage-3 parameter find it gathered."""
 
-    def __init__(self, states, model: torch.nn.Module, unit_of: dict[int, tuple[int, int]], leaves=()):
-        self.states, self.unit_of = states, unit_of
+    def __init__(self, gathering, model: torch.nn.Module, unit_of: dict[int, tuple[int, int]], leaves=()):
+        # gathering: stage3_gather.UnitGathering, which gathers and releases the units these hooks ask for
+        self.gathering, self.unit_of = gathering, unit_of
         self.names = {module: name for name, module in model.named_modules()}  # for the errors
         self._running: list[tuple[torch.nn.Module, set[int]]] = []  # forwards in progress, innermost last
         # Units a module's forward gathered on access, by the innermost running module whose hooks gather units
@@ -101,7 +103,7 @@ class ParameterAccess:
             else:
                 self._install(module, self._own_units(module))
             self._install_export(module)
-        for unit in states.units:
+        for unit in gathering.units:
             for param in unit.params:
                 param.__class__ = PartitionedParameter
                 param._zo_unit, param._zo_access = unit, self
@@ -118,24 +120,24 @@ class ParameterAccess:
 
     def _install(self, module: torch.nn.Module, own: list[int]) -> None:
         """The hooks that gather `own` (units) around `module`'s forward and backward."""
-        states = self.states
+        gathering = self.gathering
         self._gathers[module] = own
 
         def enter(*_):
             self._running.append((module, set()))
             for index in own:
-                states.gather(index)
+                gathering.gather(index)
 
         def leave(*_):
             _, borrowed = self._running.pop()
-            if states.in_backward:
+            if gathering.in_backward:
                 return  # a forward recomputed in backward: its backward comes next and reads these units
             for index in (*own, *borrowed):
-                states.release(index)
+                gathering.release(index)
 
         def gather_for_backward(*_):
             for index in (*own, *self._borrowed.get(module, ())):
-                states.gather(index)
+                gathering.gather(index)
 
         module.register_forward_pre_hook(enter)
         module.register_forward_hook(leave, always_call=True)
@@ -158,7 +160,7 @@ class ParameterAccess:
                 "(every rank enters it), take full weights from `model.state_dict()` or "
                 "`engine.consolidated_state_dict()`, or convert a checkpoint with `zo checkpoint to-fp32`"
             )
-        self.states.gather(index)
+        self.gathering.gather(index)
         self._running[-1][1].add(index)
         owner = next((m for m, _ in reversed(self._running) if self._gathers[m]), None)
         self._borrowed.setdefault(owner, set()).add(index)
@@ -174,40 +176,40 @@ class ParameterAccess:
         self._running.clear()
         if phase == "backward":
             for index in self._borrowed.get(None, ()):
-                self.states.gather(index, prefetch=False)
+                self.gathering.gather(index, prefetch=False)
 
     @contextlib.contextmanager
     def gathered(self, params=None, *, modifier_rank: int | None = None):
         """Full weights of `params` (default: all) on every rank until the block ends; a collective.
 
         With `modifier_rank`, what that rank wrote into them becomes every rank's weights (and masters)."""
-        states = self.states
+        gathering = self.gathering
         if params is None:
-            indices = list(range(len(states.units)))
+            indices = list(range(len(gathering.units)))
         else:
             params = [params] if isinstance(params, torch.Tensor) else list(params)
             indices = sorted({self.unit_of[id(p)][0] for p in params if id(p) in self.unit_of})
-        newly = [index for index in indices if index not in states.held]  # an outer block keeps the rest
+        newly = [index for index in indices if index not in gathering.held]  # an outer block keeps the rest
         for index in newly:
-            states.gather(index, prefetch=False)
-        states.held.update(newly)
+            gathering.gather(index, prefetch=False)
+        gathering.held.update(newly)
         try:
             yield
         finally:
-            states.held.difference_update(newly)
+            gathering.held.difference_update(newly)
             try:
                 if modifier_rank is not None:
-                    states.adopt_full_weights(indices, modifier_rank)
+                    gathering.adopt_full_weights(indices, modifier_rank)
             finally:
                 for index in newly:
-                    states.release(index)
+                    gathering.release(index)
 
     # -- state_dict: full weights, one module's units at a time ----------------------------------------------
     def _before_export(self, module, prefix, keep_vars) -> None:
         self._keep_vars = keep_vars
         if not keep_vars:  # keep_vars asks for the Parameter objects themselves: they stay partitioned
             for index in self._own_units(module):
-                self.states.gather(index, prefetch=False)
+                self.gathering.gather(index, prefetch=False)
 
     def _export_module(self, module, state_dict, prefix, local_metadata):
         if self._keep_vars:
@@ -223,6 +225,6 @@ class ParameterAccess:
                         clones[id(param)] = param.detach().to("cpu", copy=True)
                 state_dict[prefix + name] = clones[id(param)]
         for index in self._own_units(module):
-            if index not in self.states.held:
-                self.states.release(index)
+            if index not in self.gathering.held:
+                self.gathering.release(index)
         return None

@@ -13,14 +13,19 @@ Per unit (the parameters of one module, see partition.py) and rank r of N:
 After the update, stage 1/2 all-gather the new weight shards so that every rank holds the full weights again;
 stage 3 keeps only its shard until the next gather. (Module 1's MixedPrecisionStates is stage 0.)
 
-Stage 3's gather, prefetch and release machinery is in stage3_gather.py (ShardedStates inherits it); the
-gradient norm every stage reports is computed in basics/norm.py (`squared_norm` is imported here from there).
+ShardedStates is put together from parts it is given or builds: where its buffers live (a placement:
+device_buffers.DeviceBuffers here, module 3's host_buffers.HostBuffers when offloaded), stage 3's gather,
+prefetch and release of units (stage3_gather.UnitGathering, `states.gathering`), and the gradient buckets
+(buckets.py). The gradient norm every stage reports is computed in basics/norm.py (`squared_norm` is imported
+here from there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -29,8 +34,9 @@ from ..basics.norm import global_norm, squared_norm
 from ..basics.precision import LOW_PRECISION, has_overflow, unscaled_fp32
 from .buckets import GradientBuckets
 from .comm import Comm
+from .device_buffers import DeviceBuffers, split_flat
 from .partition import Unit, build_units
-from .stage3_gather import GatheredWeights
+from .stage3_gather import UnitGathering
 
 # ZeRO-3 gathers the embedding's weights in a backward pre-hook; that its input (token ids) needs no gradient
 # is expected, and torch's warning about it would only confuse.
@@ -70,13 +76,26 @@ def all_gather_unit(comm: Comm, full_param: torch.Tensor, shard: torch.Tensor, *
     return comm.all_gather(full_param, shard, async_op=async_op)
 
 
-class ShardedStates(GatheredWeights):
+class ShardedStates:
     """Model states partitioned as ZeRO stage 1, 2 or 3 prescribes; the engine drives it step by step.
 
-    Stage 3's gather, prefetch and release of units are inherited from stage3_gather.GatheredWeights."""
+    What differs between the tiers comes in as arguments: `partition_gradients` (None: from stage 2 on, as
+    ZeRO does; module 3 partitions them at every stage) and `place_buffers`, which is given the units and
+    returns where their buffers live (None: all on the device, device_buffers.DeviceBuffers)."""
+
+    transfers = None  # nothing crosses PCIe while every state lives on the device (module 3's do)
 
     def __init__(
-        self, model: torch.nn.Module, accel: Accelerator, precision: str, stage: int, comm: Comm, zero
+        self,
+        model: torch.nn.Module,
+        accel: Accelerator,
+        precision: str,
+        stage: int,
+        comm: Comm,
+        zero,
+        *,
+        partition_gradients: bool | None = None,
+        place_buffers: Callable[[list[Unit]], object] | None = None,
     ):
         if stage not in (1, 2, 3):
             raise ValueError(f"ShardedStates handles stages 1-3, got {stage}")
@@ -95,17 +114,32 @@ class ShardedStates(GatheredWeights):
             "shard": shard_numel - math.ceil(self.numel / comm.world_size),
         }
         # Stage 1 keeps full gradients and reduces them at the step; from stage 2 on they leave in buckets.
-        self.partition_gradients = self._partitions_gradients()
+        self.partition_gradients = stage >= 2 if partition_gradients is None else partition_gradients
         initial = [p.detach() for p in self.params]  # the model's fp32 values, read before we rebind them
-        self._allocate_weights(full_numel, shard_numel)
-        self._allocate_gradients(full_numel, shard_numel)
-        self._allocate_optimizer_states(shard_numel)
+        if place_buffers is None:
+            self.buffers = DeviceBuffers(
+                self.units, accel, self.dtype, stage=stage, partition_gradients=self.partition_gradients
+            )
+        else:
+            self.buffers = place_buffers(self.units)
+        self._take_views(self.buffers)
         self._initialise(initial)
         self._unit_of = {
             id(p): (index, i) for index, unit in enumerate(self.units) for i, p in enumerate(unit.params)
         }
         self.grad_shard_transient = None
-        self._init_gathering(zero.stage3_prefetch_bucket_size)
+        self.gathering = None  # stage 3 only: the other stages always hold the full weights
+        if stage == 3:
+            self.gathering = UnitGathering(
+                self.units,
+                accel,
+                comm,
+                self.full_params,
+                prefetch_numel=zero.stage3_prefetch_bucket_size,
+                start_gather=self._start_gather,
+                adopt=self.adopt_full_weights,
+                after_gather=self._gather_landed,
+            )
         self.buckets = None
         if self.partition_gradients:
             self.buckets = GradientBuckets(
@@ -117,53 +151,31 @@ class ShardedStates(GatheredWeights):
                 overlap=zero.overlap_comm,
                 reduce=reduce_scatter_unit,
                 deliver=self._deliver_gradient,
-                on_unit_complete=self.release if stage == 3 else None,
+                on_unit_complete=self.gathering.release if self.gathering is not None else None,
             )
             self.buckets.register_hooks()
-        if stage == 3:
-            self._install_gather_hooks(model, zero.leaf_module)
+        if self.gathering is not None:
+            self.gathering.install_hooks(model, zero.leaf_module, self._unit_of)
 
     # -- layout ----------------------------------------------------------------------------------------------
+    def _take_views(self, buffers) -> None:
+        """The tensors the step works on, flat and unit by unit, wherever the placement put them."""
+        self.flat_param, self.full_params, self.param_shards = (
+            buffers.flat_param,
+            buffers.full_params,
+            buffers.param_shards,
+        )
+        self.flat_grad, self.full_grads, self.grad_shards = (
+            buffers.flat_grad,
+            buffers.full_grads,
+            buffers.grad_shards,
+        )
+        self.master, self.master_params = buffers.master, buffers.master_params
+        self.exp_avg, self.exp_avg_sq = buffers.exp_avg, buffers.exp_avg_sq
+        self.exp_avgs, self.exp_avg_sqs = buffers.exp_avgs, buffers.exp_avg_sqs
+
     def _split(self, flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-        return list(torch.split(flat, sizes))
-
-    def _partitions_gradients(self) -> bool:
-        return self.stage >= 2
-
-    def _allocate_weights(self, full_numel: int, shard_numel: int) -> None:
-        accel, low = self.accel, self.dtype
-        if self.stage < 3:
-            self.flat_param = accel.empty(full_numel, low, category="parameters")
-            self.full_params = self._split(self.flat_param, [u.padded_numel for u in self.units])
-            self.param_shards = [
-                f[u.layout.start : u.layout.end] for f, u in zip(self.full_params, self.units, strict=True)
-            ]
-        else:
-            self.flat_param = accel.empty(shard_numel, low, category="parameters")
-            self.param_shards = self._split(self.flat_param, [u.shard_numel for u in self.units])
-            self.full_params = []  # gather buffers: made one unit at a time in _initialise
-
-    def _allocate_gradients(self, full_numel: int, shard_numel: int) -> None:
-        if not self.partition_gradients:
-            self.flat_grad = self.accel.zeros(full_numel, self.dtype, category="gradients")
-            self.full_grads = self._split(self.flat_grad, [u.padded_numel for u in self.units])
-        else:
-            self.flat_grad = self.accel.zeros(shard_numel, self.dtype, category="gradients")
-            self.grad_shards = self._split(self.flat_grad, [u.shard_numel for u in self.units])
-
-    def _allocate_optimizer_states(self, shard_numel: int) -> None:
-        accel, low = self.accel, self.dtype
-        shard_sizes = [u.shard_numel for u in self.units]
-        if low == torch.float32:
-            self.master = None  # fp32 weights are their own master: the optimizer updates the weight shards
-            self.master_params = self.param_shards
-        else:
-            self.master = accel.empty(shard_numel, torch.float32, category="master_weights")
-            self.master_params = self._split(self.master, shard_sizes)
-        self.exp_avg = accel.zeros(shard_numel, torch.float32, category="optimizer_states")
-        self.exp_avg_sq = accel.zeros(shard_numel, torch.float32, category="optimizer_states")
-        self.exp_avgs = self._split(self.exp_avg, shard_sizes)
-        self.exp_avg_sqs = self._split(self.exp_avg_sq, shard_sizes)
+        return split_flat(flat, sizes)
 
     @torch.no_grad()
     def _initialise(self, initial: list[torch.Tensor]) -> None:
@@ -196,7 +208,7 @@ class ShardedStates(GatheredWeights):
                 unit.gathered, unit.pending = False, None
                 self.accel.free_storage(full)
 
-    # -- stage 3: gather before use, release after (the rest is in stage3_gather.py) --------------------------
+    # -- stage 3: how a unit's buffer is filled (when, and what else is prefetched, is stage3_gather.py's) ----
     def _shard_on_device(self, index: int) -> torch.Tensor:
         """This rank's weight shard of unit `index`, where a collective can read it (module 3 offloads it)."""
         return self.param_shards[index]
@@ -208,12 +220,42 @@ class ShardedStates(GatheredWeights):
         # The unit's full buffer (self.full_params[index]) was freed after its last use: its shape survives,
         # its memory does not. Allocate the memory again with self.accel.restore_storage(...), then all-gather
         # every rank's `shard` (this rank's weights of the unit, on the device) into it, passing async_op
-        # through. Mark the unit gathered and return the collective's handle. (release() frees it again.)
+        # through. Mark the unit gathered and return the collective's handle. (The gathering's release() frees it.)
         self.accel.restore_storage(self.full_params[index], "parameters")
         work = all_gather_unit(self.comm, self.full_params[index], shard, async_op=async_op)
         unit.gathered = True
         return work
         # END LAB 2.4
+
+    def _gather_landed(self, index: int) -> None:
+        """Unit `index`'s gather has landed or was given up: nothing to free here (module 3 frees its upload)."""
+
+    @contextlib.contextmanager
+    def gathered(self, params=None, *, modifier_rank: int | None = None):
+        """Full weights of `params` (default: all) until the block ends; with `modifier_rank`, what that rank
+        wrote into them becomes every rank's weights and fp32 masters. Every rank must enter it."""
+        if self.gathering is not None:
+            with self.gathering.access.gathered(params, modifier_rank=modifier_rank):
+                yield
+            return
+        yield  # stages 1 and 2 always hold the full weights
+        if modifier_rank is not None:
+            self.adopt_full_weights(range(len(self.units)), modifier_rank)
+
+    @torch.no_grad()
+    def adopt_full_weights(self, indices, source_rank: int) -> None:
+        """The full weights of units `indices` on `source_rank` become everyone's: weight shards and masters."""
+        if not 0 <= source_rank < self.comm.world_size:
+            raise ValueError(
+                f"modifier_rank={source_rank} is not a rank of this job of {self.comm.world_size}"
+            )
+        for index in indices:
+            full, layout = self.full_params[index], self.units[index].layout
+            self.comm.broadcast(full, source_rank)
+            shard = full[layout.start : layout.end]
+            for target in (self.param_shards[index], self.master_params[index]):
+                if target.data_ptr() != shard.data_ptr():
+                    target.copy_(shard)
 
     # -- stage 2/3: gradients leave in buckets as backward produces them (principles/buckets.py) ---------
     def _deliver_gradient(self, index: int, shard: torch.Tensor) -> None:
@@ -221,10 +263,12 @@ class ShardedStates(GatheredWeights):
 
     # -- what the engine calls, in order -----------------------------------------------------------------------
     def before_forward(self) -> None:
-        self._begin_phase("forward")
+        if self.gathering is not None:
+            self.gathering.begin_phase("forward")
 
     def before_backward(self) -> None:
-        self._begin_phase("backward")
+        if self.gathering is not None:
+            self.gathering.begin_phase("backward")
         if not self.partition_gradients:
             for unit, full in zip(self.units, self.full_grads, strict=True):
                 for param, offset, numel in zip(unit.params, unit.offsets, unit.numels, strict=True):
@@ -235,7 +279,8 @@ class ShardedStates(GatheredWeights):
         """Reduce what backward left in buckets: the last bucket, and units with unused parameters."""
         if self.buckets is not None:
             self.buckets.finish()
-        self._begin_phase("forward")
+        if self.gathering is not None:
+            self.gathering.begin_phase("forward")
 
     def reduce_gradients(self) -> None:
         if not self.partition_gradients:
@@ -261,8 +306,9 @@ class ShardedStates(GatheredWeights):
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
         return global_norm((squared_norm(g) for g in grads), self.comm.sum)  # basics/norm.py
 
-    def publish(self) -> None:
-        """After the fp32 update: the new weights where forward will read them."""
+    def publish(self, *, rounded: bool = False) -> None:
+        """After the fp32 update: the new weights where forward will read them. `rounded` (the host's Adam wrote
+        them rounded already, module 4) is asked of every states object; Adam on the device never rounds."""
         # BEGIN LAB 2.3: publish the updated weights
         # For every unit: if there is a separate fp32 master (fp16/bf16 runs: self.master is not None), round
         # self.master_params[index] into this rank's low-precision shard self.param_shards[index]. Then, at
@@ -281,17 +327,16 @@ class ShardedStates(GatheredWeights):
             self.grad_shard_transient = None
             self.grad_shards = None
 
+    def each_unit(self, *, write: bool = False):
+        """Each unit's index, its master and moments readable (and, with `write`, writable) meanwhile: here they
+        always are; module 5's NVMe tier brings each in from its files (checkpoints walk the units this way)."""
+        yield from range(len(self.units))
+
     def record(self, ledger) -> None:
-        ledger.record("parameters", self.flat_param)
-        ledger.record("gradients", self.flat_grad)
-        if self.master is not None:
-            ledger.record("master_weights", self.master)
-        ledger.record("exp_avg", self.exp_avg)
-        ledger.record("exp_avg_sq", self.exp_avg_sq)
+        self.buffers.record(ledger)  # the placement knows which tensor holds which state
 
     def host_staging_bytes(self) -> int:
-        """Host memory beyond the model states (staging buffers): none while everything lives on the device."""
-        return 0
+        return self.buffers.host_staging_bytes()
 
     def close(self) -> None:
         """Nothing of its own to stop: the engine's streams and the process group are the engine's."""

@@ -160,7 +160,7 @@ def _use_reference_helpers(keep_publish: bool = False, patch=setattr):
         self.units[index].gathered = True
         return self.comm.all_gather(self.full_params[index], self.param_shards[index], async_op=async_op)
 
-    def publish(self):
+    def publish(self, *, rounded=False):
         for index in range(len(self.units)):
             if self.master is not None:
                 self.param_shards[index].copy_(self.master_params[index])
@@ -200,7 +200,7 @@ def _train(rank, world_size, precision, stage=3):
     traffic = dict(engine.comm.elements)
     if stage == 3:
         for index in range(len(engine.states.units)):
-            engine.states.gather(index)
+            engine.states.gathering.gather(index)
     return {"weights": {n: p.detach().float().clone() for n, p in model.named_parameters()},
             "released": released, "gathered_after": gathered_after, "traffic": traffic}
 

@@ -105,7 +105,7 @@ def _train(
         "skipped": engine.skipped_steps,
         "scales": [r["loss_scale"] for r in engine.history],
         "unchanged": snapshot,
-        "pcie": dict(getattr(engine.states, "transfers", Transfers(None)).bytes),
+        "pcie": dict((engine.states.transfers or Transfers(None)).bytes),
         "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
     }
 

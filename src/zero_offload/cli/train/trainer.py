@@ -137,7 +137,7 @@ def _train(
 def _report(run: TrainingRun, out: Path, resumed_at: int | None) -> dict:
     engine, history = run.engine, run.history
     this_run = history["step_ms"][resumed_at or 0 :]
-    transfers = getattr(engine.states, "transfers", None)  # offload only
+    transfers = engine.states.transfers  # None unless offloaded: nothing crosses PCIe
     report = engine.memory_report()
     summary = {
         "model": history["model"],
