@@ -424,7 +424,7 @@ def test_the_pipelines_staging_slots_are_pinned_even_with_pin_memory_false():
               "zero_offload": {"overlap_offload": True}}  # fmt: skip
     accel = EmulatedAccelerator()
     engine = zo.initialize(torch.nn.Linear(8, 8), config, accelerator=accel)
-    pipeline = engine.updating.pipeline
+    pipeline = engine.optimizer_step.pipeline
     slots = pipeline.grad_slots.buffers + pipeline.weight_slots.buffers
     assert slots and all(accel.is_pinned(slot) for slot in slots)
     assert not accel.is_pinned(engine.states.master)  # the large buffers follow pin_memory

@@ -195,7 +195,7 @@ def test_a_nan_gradient_with_a_finite_loss_is_skipped_where_the_norm_comes_befor
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_nan_gradient_that_adam_applied_before_its_norm_was_known_is_a_clear_error(overlap):
     engine = _engine(_config(2, "bf16", offload=True, impl="simd", overlap_offload=overlap))
-    if not (overlap or engine.updating.norm_in_adam):
+    if not (overlap or engine.optimizer_step.norm_in_adam):
         pytest.skip("the C Adam could not be built here (no C compiler)")
     _step(engine, 0)
     _nan_gradient_once(engine)

@@ -283,7 +283,7 @@ def test_a_missing_cffi_falls_back_to_torchs_adam_with_a_warning_that_names_it(m
               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}  # fmt: skip
     with pytest.warns(UserWarning, match="cffi is not installed"):
         engine = zo.initialize(torch.nn.Linear(4, 4), config, accelerator=EmulatedAccelerator())
-    assert isinstance(engine.updating.optimizers.host, torch.optim.AdamW)
+    assert isinstance(engine.optimizer_step.optimizers.host, torch.optim.AdamW)
 
 
 def _offload_config(**cpu_adam) -> dict:
@@ -300,7 +300,7 @@ def test_the_config_picks_the_kernel_loop_and_refuses_one_this_cpu_lacks(monkeyp
     def host_optimizer(**cpu_adam):
         model = torch.nn.Linear(4, 4)
         engine = zo.initialize(model, _offload_config(**cpu_adam), accelerator=EmulatedAccelerator())
-        return engine.updating.optimizers.host
+        return engine.optimizer_step.optimizers.host
 
     assert host_optimizer().variant == "auto"  # "widest": what zo_adam_update dispatches to
     assert host_optimizer(variant="scalar").variant == "scalar"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import zero_offload as zo
-import zero_offload.engine.updating
+import zero_offload.engine.optimizer_step
 from tests.support.corpus import fixed_corpus
 from tests.support.distributed import check, run_ranks
 from tests.support.interleave import held_until_quiet
@@ -124,7 +124,7 @@ def test_without_clipping_the_c_adam_sums_the_norm_and_no_pass_of_its_own_reads_
         _config(2, impl="torch", overlap=overlap)
     )  # torch's Adam: the norm in a pass of its own
     engine = _engine(_config(2, overlap=overlap))
-    assert engine.updating.norm_in_adam and not reference.updating.norm_in_adam
+    assert engine.optimizer_step.norm_in_adam and not reference.optimizer_step.norm_in_adam
     expected = _train(reference, 3)
 
     def separate_pass(grad):
@@ -148,7 +148,7 @@ def test_without_clipping_the_c_adam_sums_the_norm_and_no_pass_of_its_own_reads_
     ids=["clipping", "delayed-update", "torch-adam"],
 )
 def test_the_norm_has_a_pass_of_its_own_when_it_is_needed_before_adam_or_adam_is_not_the_c_one(change):
-    assert not _engine(_config(2, overlap=True, **change)).updating.norm_in_adam
+    assert not _engine(_config(2, overlap=True, **change)).optimizer_step.norm_in_adam
 
 
 def test_with_clipping_adam_waits_for_the_global_norm():
@@ -164,7 +164,7 @@ def test_with_clipping_adam_waits_for_the_global_norm():
 def test_the_host_stages_through_slots_of_the_largest_unit(slots):
     engine = _engine(_config(2, "fp16", overlap=True, ext={"staging_slots": slots} if slots else None))
     _train(engine, 1)
-    pipeline, states = engine.updating.pipeline, engine.states
+    pipeline, states = engine.optimizer_step.pipeline, engine.states
     largest = max(u.shard_numel for u in states.units)
     for ring in (pipeline.grad_slots, pipeline.weight_slots):
         assert len(ring.buffers) == (slots or 2)  # double-buffered unless staging_slots says otherwise
@@ -216,7 +216,7 @@ def test_an_error_on_the_host_queue_surfaces_at_the_step_and_the_next_step_is_no
     def broken(index, out, staged=None):
         raise RuntimeError("host Adam failed")
 
-    monkeypatch.setattr(engine.updating.pipeline, "_adam", broken)
+    monkeypatch.setattr(engine.optimizer_step.pipeline, "_adam", broken)
     with pytest.raises(RuntimeError, match="host Adam failed"):
         _train(engine, 1, start=1)
 
@@ -326,7 +326,7 @@ def test_the_delayed_weights_go_up_during_the_next_backward_and_change_nothing(p
     queued, upload = [], EarlyUploads.upload
 
     def recording(early, index, stream):  # called as each unit's gradient arrives, i.e. during backward
-        queued.append((engine.global_steps, engine.updating.pipeline.final, index))
+        queued.append((engine.global_steps, engine.optimizer_step.pipeline.final, index))
         upload(early, index, stream)
 
     monkeypatch.setattr(EarlyUploads, "upload", recording)
@@ -394,12 +394,17 @@ def test_the_kept_gradients_change_nothing_bit_for_bit(precision, clip, impl, mo
         2, precision, overlap=True, impl=impl, clip=clip, ext=dpu, reduce_bucket_size=16 * 16 + 16
     )
     kept = _train_sometimes_unused(config, 6)
-    assert kept.updating.pipeline.kept is not None and kept.updating.pipeline.kept.landed == frozenset()
+    assert (
+        kept.optimizer_step.pipeline.kept is not None
+        and kept.optimizer_step.pipeline.kept.landed == frozenset()
+    )
     kept_nano = _engine(_config(2, precision, overlap=True, impl=impl, clip=clip, ext=dpu))
     kept_losses = _train(kept_nano, 5)
-    monkeypatch.setattr(zero_offload.engine.updating, "keeps_gradients", lambda config, host_adam: False)
+    monkeypatch.setattr(
+        zero_offload.engine.optimizer_step, "keeps_gradients", lambda config, host_adam: False
+    )
     added = _train_sometimes_unused(config, 6)
-    assert added.updating.pipeline.kept is None
+    assert added.optimizer_step.pipeline.kept is None
     assert not _same_weights(dict(kept.model.named_parameters()), dict(added.model.named_parameters()))
     assert [r["grad_norm"] for r in kept.history] == [r["grad_norm"] for r in added.history]
     added_nano = _engine(_config(2, precision, overlap=True, impl=impl, clip=clip, ext=dpu))
@@ -412,7 +417,7 @@ def test_the_kept_gradients_change_nothing_bit_for_bit(precision, clip, impl, mo
 def test_the_kept_gradients_take_turns_between_two_areas():
     dpu = {"delayed_param_update": {"enabled": True, "start_step": 1}}
     engine = _engine(_config(2, "bf16", overlap=True, ext=dpu))
-    pipeline = engine.updating.pipeline
+    pipeline = engine.optimizer_step.pipeline
     areas = [{t.untyped_storage().data_ptr() for t in area} for area in pipeline.kept.areas]
     assert len(areas[0]) == len(areas[1]) == 1 and areas[0] != areas[1]  # two flat buffers
     assert all(t.dtype == torch.bfloat16 for area in pipeline.kept.areas for t in area)  # as they came down
@@ -460,25 +465,25 @@ class _BlockingCopyStream:
 def test_copy_streams_that_block_on_host_events_as_cuda_does_still_give_the_serial_weights(precision):
     serial = _engine(_config(2, precision))
     engine = _engine(_config(2, precision, overlap=True))
-    engine.updating.pipeline.down = _BlockingCopyStream(engine.updating.pipeline.down)
-    engine.updating.pipeline.up = _BlockingCopyStream(engine.updating.pipeline.up)
+    engine.optimizer_step.pipeline.down = _BlockingCopyStream(engine.optimizer_step.pipeline.down)
+    engine.optimizer_step.pipeline.up = _BlockingCopyStream(engine.optimizer_step.pipeline.up)
     assert _train(engine, 4) == _train(serial, 4)
     assert not _same_weights(
         {n: p.detach().clone() for n, p in engine.model.named_parameters()},
         {n: p.detach().clone() for n, p in serial.model.named_parameters()},
     )
     assert (
-        engine.updating.pipeline.eager is False
+        engine.optimizer_step.pipeline.eager is False
     )  # Adam waits for the step: the up stream cannot wait for it
 
 
 def test_with_an_upload_stream_that_blocks_the_delayed_weights_go_up_at_the_step():
     dpu = {"delayed_param_update": {"enabled": True, "start_step": 1}}
     engine = _engine(_config(2, overlap=True, ext=dpu))
-    engine.updating.pipeline.up = _BlockingCopyStream(engine.updating.pipeline.up)
+    engine.optimizer_step.pipeline.up = _BlockingCopyStream(engine.optimizer_step.pipeline.up)
     _train(engine, 3)
     # Queuing them during backward would block backward until the delayed Adam is done.
-    early = engine.updating.pipeline.early
+    early = engine.optimizer_step.pipeline.early
     assert early.update is None and not early.queued
     engine.synchronize()
 
@@ -517,7 +522,7 @@ def test_the_delayed_adam_waits_for_the_uploads_that_read_what_it_rewrites(preci
         x, y = data.micro_batch(step, BATCH, micro_step=0, rank=0, world_size=1, accumulation=1)
         for run in (pinned, pageable):
             run.backward(lm_loss(run(x), y))
-        with held_until_quiet(pinned.accelerator.dma, pinned.updating.host_queue):
+        with held_until_quiet(pinned.accelerator.dma, pinned.optimizer_step.host_queue):
             pinned.step()
         pageable.step()
         want = {n: p.detach().clone() for n, p in pageable.model.named_parameters()}

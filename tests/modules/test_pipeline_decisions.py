@@ -54,7 +54,7 @@ def test_each_backward_runs_as_far_ahead_as_the_rules_allow(precision, clip, acc
     config = _config(2, precision, overlap=True, impl=impl, clip=0.5 if clip else 0.0, ext=ext)
     config["gradient_accumulation_steps"] = accumulation
     engine = _engine(config)
-    pipeline = engine.updating.pipeline
+    pipeline = engine.optimizer_step.pipeline
     if not waits:
         pipeline.up = _BlockingCopyStream(pipeline.up)
     data = ByteBatches(fixed_corpus(), SEQ, seed=11)
@@ -76,7 +76,7 @@ def test_each_backward_runs_as_far_ahead_as_the_rules_allow(precision, clip, acc
             assert pipeline.keeping == kept, f"{where}: kept should be {kept}"
             landed = set(range(engine.states.host_units)) if kept else set()
             assert (pipeline.kept.landed if pipeline.kept is not None else set()) == landed, where
-            assert engine.updating.norm_in_adam == pipeline.norm_in_adam == norm_in_adam, where
+            assert engine.optimizer_step.norm_in_adam == pipeline.norm_in_adam == norm_in_adam, where
             assert (pipeline.eager, pipeline.direct and pipeline.eager) == (eager, direct), where
             # Reading the slot directly is only right when the slot holds the whole gradient: one micro-batch.
             assert not pipeline.direct or accumulation == 1, where

@@ -4,12 +4,13 @@ It keeps the training loop's logic: loss scaling, gradient accumulation, skippin
 any precision and stopping a run that keeps skipping (divergence.py), and the bookkeeping of each step. The rest
 it hands to two objects:
 
-    states     where the model states live (states.py): module 1's MixedPrecisionStates at stage 0,
-               module 2's ShardedStates, module 3's OffloadedStates, module 4's partial and module 5's NVMe tier
-    updating   who runs Adam, when and on which cores (updating.py): serially, module 5's overlapped pipeline,
-               its delayed update; with the clip factor and the learning-rate schedule
+    states           where the model states live (states.py): module 1's MixedPrecisionStates at stage 0,
+                     module 2's ShardedStates, module 3's OffloadedStates, module 4's partial offload and
+                     module 5's NVMe tier
+    optimizer_step   who runs Adam, when and on which cores (optimizer_step.py): serially, module 5's
+                     overlapped pipeline, its delayed update; with the clip factor and the learning-rate schedule
 
-so one `step` reads the same for every configuration: reduce, overflow, `updating.step`, record.
+so one `step` reads the same for every configuration: reduce, overflow, `optimizer_step.step`, record.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from .model_setup import (
 )
 from .optimizers import build_optimizers
 from .states import build_states
-from .updating import Updating
+from .optimizer_step import OptimizerStep
 
 # Engines not closed yet. At exit they are closed, so that a script which never calls engine.close() still ends
 # cleanly (no thread of the engine's running, the group it joined destroyed) while the interpreter is whole.
@@ -122,8 +123,9 @@ class Engine:
             checkpoint_blocks(model, self.accelerator, self.states.dtype)
         # Counts the skips in a row nothing cures and stops the run at zero_offload.max_skipped_steps.
         self.skip_guard = SkipGuard(config.zero_offload.max_skipped_steps, fp16=config.fp16.enabled)
-        # Who runs Adam, when and on which cores (updating.py): the updaters, module 5's pipeline and delayed update.
-        self.updating = Updating(
+        # Who runs Adam, when and on which cores (optimizer_step.py): the updaters, module 5's pipeline and its
+        # delayed update.
+        self.optimizer_step = OptimizerStep(
             config,
             self.states,
             self.accelerator,
@@ -172,7 +174,7 @@ class Engine:
             self._warned_unstepped = True
             warn_unstepped(self.gradient_accumulation_steps)
         last = (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
-        self.updating.begin_backward(last=last, step=self.global_steps)
+        self.optimizer_step.begin_backward(last=last, step=self.global_steps)
         skip = self.skip_guard.skips_backward(loss, self.comm)  # bf16/fp32: a non-finite loss on any rank
         self.states.before_backward()  # and after_backward: stage 3 releases what forward gathered
         if not skip:
@@ -200,8 +202,8 @@ class Engine:
             "lr": self.optimizer.param_groups[0]["lr"],
             "adam_seconds": 0.0,
         }
-        # The clip factor, Adam, the new weights published, the schedule (updating.py).
-        skip = self.updating.step(self.global_steps, record, skip)
+        # The clip factor, Adam, the new weights published, the schedule (optimizer_step.py).
+        skip = self.optimizer_step.step(self.global_steps, record, skip)
         record.update(overflow=skip is not None, skipped=skip)
         self.skipped_steps += skip is not None
         diverged = self.skip_guard.after_step(
@@ -219,7 +221,7 @@ class Engine:
     def synchronize(self) -> None:
         """Finish a delayed update still in flight and publish its weights. Forward then reads them one step
         earlier than it would have; a checkpoint does not call this, so that saving leaves the run as it was."""
-        self.updating.synchronize()
+        self.optimizer_step.synchronize()
 
     def zero_grad(self) -> None:
         self.states.zero_grad()
@@ -240,7 +242,7 @@ class Engine:
                 for index in range(len(self.states.units)):
                     self.states.gathering.release(index)  # waits for a prefetch still in flight
         finally:
-            self.updating.close()
+            self.optimizer_step.close()
             self.states.close()
             if self._joined_group is not None:  # the group goes with the last engine that holds it
                 self._joined_group.release()

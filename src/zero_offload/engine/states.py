@@ -7,7 +7,7 @@
       ... with device "nvme"             module 5's NVMeStates: that half in files, a few sub-groups in memory
 
 Each answers the same questions (reduce the gradients, report an overflow, give the fp32 gradients, publish
-the new weights): `States` below writes them down. Who runs Adam over them, and when, is updating.py's.
+the new weights): `States` below writes them down. Who runs Adam over them, and when, is optimizer_step.py's.
 """
 
 from __future__ import annotations

@@ -311,7 +311,7 @@ def _restore_weights(engine, full: dict, saved: dict, global_steps: int) -> None
     and the next step publishes them, as in the run that saved. If this engine runs no delayed update at
     that step (another config), the landed update is published here, with its lr-scheduler step."""
     pending = saved.get("publish_pending", False)
-    held = pending and engine.updating.hold_landed(global_steps)
+    held = pending and engine.optimizer_step.hold_landed(global_steps)
     if held:
         _write_states(engine, full, saved["optimizer_step"], master=PUBLISHED)
         engine.states.publish()

@@ -94,7 +94,7 @@ def rank_state(engine, client_state=None) -> dict:
     """Everything this rank writes: plain Python values and CPU tensors only, and the script's `client_state`."""
     comm, model, stage = engine.comm, engine.model, engine.config.zero_optimization.stage
     # A delayed update in flight writes the masters and moments: wait for it, but leave its publish to the run.
-    pending = engine.updating.land()
+    pending = engine.optimizer_step.land()
     pieces: dict[str, list[dict]] = {}
     # Stage 0 ranks hold identical replicas: rank 0's copy is enough.
     if stage > 0 or comm.rank == 0:

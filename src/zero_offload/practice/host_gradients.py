@@ -97,7 +97,7 @@ class KeptGradients:
         region = self.areas[self.area][index]
         self.landed = self.landed | {index}
         # The norm is summed here, never inside the delayed Adam: DPU reports it before that Adam runs
-        # (updating.wants_norm_in_adam is false under DPU).
+        # (optimizer_step.wants_norm_in_adam is false under DPU).
         if down.runs_on_host:
             # Emulated: one task instead of two, one hand-over less between threads, and the copy's own thread
             # sums the region while it is still in cache.

@@ -152,7 +152,7 @@ def _delivered(engine, count):
     for index in range(count):
         numel = states.units[index].shard_numel
         shard = engine.accelerator.zeros(numel, states.dtype, category="buckets").fill_(index + 1.0)
-        engine.updating.pipeline.receive(index, shard)
+        engine.optimizer_step.pipeline.receive(index, shard)
 
 
 def _assert_arrived(engine, count):
@@ -186,7 +186,7 @@ def test_the_overlapped_schedule_trains_bit_for_bit_like_the_serial_step(
 def test_receive_returns_while_the_down_stream_is_busy(monkeypatch):
     _others("5.1", monkeypatch)
     engine = _engine(_config())
-    pipeline_, states = engine.updating.pipeline, engine.states
+    pipeline_, states = engine.optimizer_step.pipeline, engine.states
     gate = _Gate()
     pipeline_.down.submit(gate.closed)  # the link is busy until the test opens the gate
     returned = threading.Event()
@@ -216,7 +216,7 @@ def test_receive_returns_while_the_down_stream_is_busy(monkeypatch):
 def test_the_host_reads_a_gradient_only_after_its_copy_has_landed(monkeypatch):
     _others("5.1", monkeypatch)
     engine = _engine(_config())
-    pipeline_ = engine.updating.pipeline
+    pipeline_ = engine.optimizer_step.pipeline
     # The link starts nothing until the host has run everything it can: a host not made to wait for the copy
     # has read an empty slot by then.
     with held_until_quiet(pipeline_.down, pipeline_.host):
@@ -229,7 +229,7 @@ def test_the_host_reads_a_gradient_only_after_its_copy_has_landed(monkeypatch):
 def test_a_staging_slot_is_handed_back_only_after_the_host_has_read_it(monkeypatch):
     _others("5.1", monkeypatch)
     engine = _engine(_config())
-    pipeline_, slots = engine.updating.pipeline, len(engine.updating.pipeline.grad_slots.buffers)
+    pipeline_, slots = engine.optimizer_step.pipeline, len(engine.optimizer_step.pipeline.grad_slots.buffers)
     count = slots + 1  # the last one reuses the first slot
     # The host starts nothing until the link has run every copy it can: a slot handed back before the host
     # read it has been overwritten by then.
@@ -248,7 +248,7 @@ def test_without_clipping_every_unit_is_updated_before_backward_returns(monkeypa
     engine.backward(lm_loss(engine(x), y))  # no step yet: Adam ran as each gradient arrived
     changed = [not torch.equal(a, b) for a, b in zip(before, engine.states.master_params, strict=True)]
     assert all(changed), f"units not updated during backward: {[i for i, c in enumerate(changed) if not c]}"
-    assert engine.updating.pipeline.grad_slots.uses == len(engine.states.units), "one staging slot per unit"
+    assert engine.optimizer_step.pipeline.grad_slots.uses == len(engine.states.units), "one staging slot per unit"
     engine.step()
 
 
@@ -330,7 +330,7 @@ def test_a_held_reader_sees_every_value_written_for_it():
 def test_the_pipeline_with_your_ordering_and_a_held_host_keeps_every_gradient(monkeypatch):
     _others("5.2", monkeypatch)
     engine = _engine(_config("fp16"))
-    pipeline_ = engine.updating.pipeline
+    pipeline_ = engine.optimizer_step.pipeline
     count = len(pipeline_.grad_slots.buffers) + 1
     with held_until_quiet(pipeline_.host, pipeline_.down, after=count):
         _delivered(engine, count)

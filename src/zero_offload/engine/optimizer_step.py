@@ -1,6 +1,6 @@
 """Who runs Adam, when, and on which cores: the optimizer half of the engine's step, chosen from the config.
 
-The states say where the model states live; `Updating` says how the optimizer step runs over them:
+The states say where the model states live; `OptimizerStep` says how the optimizer step runs over them:
   - the cores each side runs on (module 5's `zero_offload.cores`): the device's compute on some, the host's
     queue (its Adam, its copies on the emulated device) on the others;
   - the updaters (implementation/updaters.py) that run Adam at the step: serial, module 5's overlapped
@@ -58,7 +58,7 @@ def pin_cores(config: Config) -> None:
         torch.set_num_threads(len(cores.device))
 
 
-class Updating:
+class OptimizerStep:
     """The updaters and module 5's pieces for `states`, over `optimizers` (optimizers.Optimizers).
 
     `scaler`, `skip_guard`, `timeline` and `lr_scheduler` are the engine's; they are read, never replaced."""
