@@ -41,9 +41,9 @@ from .model_setup import (
     to_device,
     warn_unstepped,
 )
+from .optimizer_step import OptimizerStep
 from .optimizers import build_optimizers
 from .states import build_states
-from .optimizer_step import OptimizerStep
 
 # Engines not closed yet. At exit they are closed, so that a script which never calls engine.close() still ends
 # cleanly (no thread of the engine's running, the group it joined destroyed) while the interpreter is whole.
