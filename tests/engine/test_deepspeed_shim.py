@@ -211,7 +211,10 @@ def test_init_distributed_without_a_launcher_makes_a_group_of_one_and_names_a_wr
     with pytest.raises(TypeError, match="dist_bakend"):
         deepspeed.init_distributed(dist_bakend="gloo")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+        # Set first, so that the fixture records each one and takes away what init_distributed sets: a WORLD_SIZE
+        # left behind would reach every later test's ranks.
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=True)
     try:
         assert torch.distributed.get_world_size() == 1 and torch.distributed.get_rank() == 0
