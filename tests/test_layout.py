@@ -425,9 +425,7 @@ def private_crossings(root: Path) -> list[str]:
     return sorted(found)
 
 
-KNOWN_PRIVATE_CROSSINGS = {
-    "lessons/practice_steps.py: imports _restored_threads from cli.bench.schedules (lessons -> cli)",
-}
+KNOWN_PRIVATE_CROSSINGS: set[str] = set()
 
 
 def _known_list_holds(found: list[str], known: set[str], name: str, rule: str) -> None:
@@ -527,9 +525,6 @@ KNOWN_COLLABORATOR_WRITES = {
     "accelerator/emulated.py: EmulatedAccelerator._untrack sets allocation.live",
     "accelerator/streams.py: _Hold.release sets self.stream._holds",
     "cli/train/trainer.py: _train sets run.doing",
-    "engine/engine.py: Engine.load_checkpoint sets self.skip_guard.last_checkpoint",
-    "engine/engine.py: Engine.save_checkpoint sets self.skip_guard.last_checkpoint",
-    "engine/engine.py: Engine.step sets self._timeline.step",
     "engine/model_setup.py: install_upcast_hooks.restore sets module._zo_stored",
     "engine/model_setup.py: install_upcast_hooks.upcast sets module._zo_stored",
     "principles/recompute.py: _wrap sets block.forward",

@@ -59,7 +59,7 @@ def test_an_offloaded_step_records_every_stage_in_order(tmp_path):
 def test_only_the_last_steps_are_kept():
     timeline = Timeline(keep_steps=3)
     for step in range(10):
-        timeline.step = step
+        timeline.begin_step(step)
         with timeline.span("forward"):
             pass
     assert [s.step for s in timeline.spans] == [7, 8, 9]
@@ -237,7 +237,7 @@ def test_reading_waits_only_for_the_kept_spans_and_only_once(fake_cuda):
     timeline = _cuda_timeline(device, clock, keep_steps=2)
     device.default.times_ms = iter(range(0, 80, 10))
     for step in range(4):
-        timeline.step = step
+        timeline.begin_step(step)
         with timeline.span("backward"):
             pass
     reference = device.events[0]

@@ -34,6 +34,10 @@ class SkipGuard:
         self.last_checkpoint: tuple[str, int] | None = None  # (path, step) of the last save or load
         self.window_skip: str | None = None  # why this accumulation window's step will be skipped
 
+    def remember_checkpoint(self, path, step: int) -> None:
+        """The run was saved to, or loaded from, `path` at `step`: what a diverged run is told to go back to."""
+        self.last_checkpoint = (str(path), step)
+
     def resume(self, in_a_row: int) -> None:
         """Continue a run from a checkpoint that was saved after `in_a_row` skipped steps in a row."""
         self.in_a_row = in_a_row

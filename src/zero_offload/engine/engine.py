@@ -213,7 +213,7 @@ class Engine:
         self.states.zero_grad()
         self.accelerator.fence_copies()  # the user's next write to a parameter lands after this step's uploads
         self.global_steps += 1
-        self._timeline.step = self.global_steps
+        self._timeline.begin_step(self.global_steps)
         self.history.append(record)
         if diverged is not None:
             raise diverged
@@ -258,7 +258,7 @@ class Engine:
         Saving does not change the run: a delayed update in flight lands but is published at the next step, as
         it would have been without the save (practice/dpu.py)."""
         save_checkpoint(self, path, tag, client_state=client_state, save_latest=save_latest)
-        self.skip_guard.last_checkpoint = (str(path), self.global_steps)  # what a diverged run goes back to
+        self.skip_guard.remember_checkpoint(path, self.global_steps)  # what a diverged run goes back to
 
     def load_checkpoint(
         self,
@@ -283,7 +283,7 @@ class Engine:
             self.global_steps, self.micro_steps = state.global_steps, state.micro_steps
             self.skipped_steps, self.history = state.skipped_steps, state.history
             self.skip_guard.resume(state.skipped_in_a_row)
-            self.skip_guard.last_checkpoint = (str(path), self.global_steps)
+            self.skip_guard.remember_checkpoint(path, self.global_steps)
         return str(loaded.folder), loaded.client_state
 
     # -- the full weights outside training (stage 3 holds only shards between forwards) ----------------------------

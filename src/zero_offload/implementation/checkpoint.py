@@ -96,7 +96,7 @@ def _megabytes(nbytes: int) -> str:
 
 def _last_good(engine, path: Path) -> str:
     """Where the run can go back to: the engine's last checkpoint, or one already in `path`, if complete."""
-    last = getattr(getattr(engine, "skip_guard", None), "last_checkpoint", None)
+    last = engine.skip_guard.last_checkpoint
     if last is not None and tags.complete(last[0]):
         return f"The last good checkpoint is {last[0]} (step {last[1]})."
     if tags.complete(path):

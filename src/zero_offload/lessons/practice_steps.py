@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 from .. import initialize  # noqa: E402
 from ..accelerator import EmulatedAccelerator  # noqa: E402
-from ..cli.bench.schedules import _restored_threads, split_cores  # noqa: E402
+from ..cli.bench.schedules import restored_threads, split_cores  # noqa: E402
 from ..practice.timeline import STAGES  # noqa: E402
 from ..workloads import ByteBatches, TinyGPT, gpt_config, lm_loss  # noqa: E402
 
@@ -88,9 +88,7 @@ def zoom(model: str, seq_len: int, corpus, *, cores: str, rounds: int, block: in
     of each engine's median step. A turn ends with engine.synchronize(), so that no update still in flight
     runs during the next engine's turn; the first round (warm-up) and the first step of every turn (it has no
     update of the step before to wait for) are not counted."""
-    with (
-        _restored_threads()
-    ):  # the engines pin this thread and set torch's threads: give both back afterwards
+    with restored_threads():  # the engines pin this thread and set torch's threads: give both back afterwards
         if cores == "shared":
             torch.set_num_threads(
                 len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

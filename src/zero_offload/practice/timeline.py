@@ -85,6 +85,10 @@ class Timeline:
             self._reference.synchronize()
             self._reference_host = time.perf_counter()
 
+    def begin_step(self, step: int) -> None:
+        """The spans recorded from now on belong to optimizer step `step` (the engine calls it after each step)."""
+        self.step = step
+
     @property
     def spans(self) -> list[Span]:
         """The kept spans, oldest first. On CUDA this waits for the events of the spans not yet read."""

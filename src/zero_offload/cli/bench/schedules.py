@@ -43,7 +43,7 @@ def split_cores() -> tuple[list[int], list[int]] | None:
 
 
 @contextmanager
-def _restored_threads():
+def restored_threads():
     """The engines pin this thread and set torch's thread count; give both back afterwards."""
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     threads = torch.get_num_threads()
@@ -107,7 +107,7 @@ def compare_schedules(
         raise RuntimeError("cores='split' needs at least two usable cores; use cores='shared'")
     cfg = gpt_config(model, seq_len=seq_len)
     data = ByteBatches(load_corpus(), seq_len, seed=0)
-    with _restored_threads():
+    with restored_threads():
         if cores == "shared":
             torch.set_num_threads(len(os.sched_getaffinity(0)))
         engines = {
