@@ -22,6 +22,11 @@ class _Allocation:
     def __init__(self, key: int, nbytes: int, category: str):
         self.key, self.nbytes, self.category, self.live = key, nbytes, category, True
 
+    def end(self) -> bool:
+        """Mark the block freed; True the first time only (it may be freed explicitly and then die as well)."""
+        was_live, self.live = self.live, False
+        return was_live
+
 
 class EmulatedAccelerator(Accelerator):
     """A device that lives in host memory but keeps the books of a GPU with `capacity` bytes."""
@@ -82,8 +87,7 @@ class EmulatedAccelerator(Accelerator):
         weakref.finalize(storage, self._untrack, allocation)
 
     def _untrack(self, allocation: _Allocation) -> None:
-        if allocation.live:  # freed once: by free_storage() or when the storage dies, whichever comes first
-            allocation.live = False
+        if allocation.end():  # freed once: by free_storage() or when the storage dies, whichever comes first
             self._by_storage.pop(allocation.key, None)
             self._release(allocation.nbytes, allocation.category)
 

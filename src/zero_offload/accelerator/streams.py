@@ -151,6 +151,12 @@ class WorkerStream:
             self._holds += 1
         return _Hold(self)
 
+    def release_hold(self) -> None:
+        """One hold fewer (what _Hold.release calls); with none left, the worker runs its queue again."""
+        with self._state:
+            self._holds -= 1
+            self._state.notify_all()
+
     def wait_quiet(self, *, submitted: int = 0, timeout: float = 60.0) -> None:
         """Return once at least `submitted` items were ever submitted and the worker can run nothing more now:
         its queue is empty, or it waits for an event that has not happened, or it is held. A test calls this on
@@ -184,9 +190,7 @@ class _Hold:
         if self.released:
             return
         self.released = True
-        with self.stream._state:
-            self.stream._holds -= 1
-            self.stream._state.notify_all()
+        self.stream.release_hold()
 
     def __enter__(self) -> _Hold:
         return self

@@ -79,8 +79,11 @@ def install_upcast_hooks(model: torch.nn.Module, accel: Accelerator) -> None:
     computing in fp16 would put it. The copies are marked as artefacts, not charged to the device.
     """
 
+    # Per module, while its forward runs: (owner, name, stored parameter) of each weight swapped for its fp32 copy.
+    stored: dict[int, list] = {}
+
     def upcast(module, args):
-        module._zo_stored = []  # (owner, name, stored parameter)
+        swapped = stored[id(module)] = []
         # nn.MultiheadAttention reads out_proj's weights without calling out_proj: upcast them here too.
         owners = [module, module.out_proj] if isinstance(module, torch.nn.MultiheadAttention) else [module]
         for owner in owners:
@@ -88,13 +91,12 @@ def install_upcast_hooks(model: torch.nn.Module, accel: Accelerator) -> None:
                 if param is not None and param.dtype != torch.float32:
                     compute = param.to(torch.float32)
                     accel.mark_compute_copy(compute, param)
-                    module._zo_stored.append((owner, name, param))
+                    swapped.append((owner, name, param))
                     owner._parameters[name] = compute
 
     def restore(module, args, output):
-        for owner, name, param in getattr(module, "_zo_stored", ()):
+        for owner, name, param in stored.pop(id(module), ()):
             owner._parameters[name] = param
-        module._zo_stored = []
 
     for module in model.modules():
         if any(p is not None for p in module._parameters.values()):

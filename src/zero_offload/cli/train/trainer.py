@@ -125,9 +125,9 @@ def _train(
             if eval_every and (run.step % eval_every == 0 or last):
                 say(f"step {run.step}: eval loss {run.evaluate():.4f} ({run.eval_batches} held-out batches)")
             if save_every and (run.step % save_every == 0 or last):
-                run.doing = f"the checkpoint after step {run.step}"
+                run.now_doing(f"the checkpoint after step {run.step}")
                 say(f"step {run.step}: saved {run_dir.save(engine, out, run.history, keep)}")
-    run.doing = "the final report"
+    run.now_doing("the final report")
     engine.timeline(  # every rank; rank 0 draws the chart and writes the trace
         out / "timeline.png", title=f"the last steps of {comm.world_size} rank(s)", trace=out / "trace.json"
     )

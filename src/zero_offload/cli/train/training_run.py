@@ -56,6 +56,10 @@ class TrainingRun:
                 accumulation=accumulation,
             )
 
+    def now_doing(self, what: str) -> None:
+        """What the ranks do together from now on (a checkpoint, the report): named if a rank is lost during it."""
+        self.doing = what
+
     def train_step(self) -> float:
         self.doing = f"step {self.step + 1}"
         start, total = time.perf_counter(), 0.0
