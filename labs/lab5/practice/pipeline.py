@@ -185,7 +185,6 @@ class OffloadPipeline:
         # Units whose Adam has been queued this step.
         self.updated: set[int] = set()
         self.adam_seconds = 0.0
-        states.hand_gradients_to(self)
 
     def begin_backward(self, *, last: bool, delayed: bool) -> None:
         """Decide how far this backward may run ahead of the step. `last`: the last micro-batch before the step;

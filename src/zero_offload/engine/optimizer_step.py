@@ -92,6 +92,8 @@ class OptimizerStep:
                 slots=ext.staging_slots,
                 keep_gradients=keeps_gradients(config, self.host_adam),
             )
+            # Wired here, where both are made: from now on the states hand the host units' gradients to it.
+            states.hand_gradients_to(self.pipeline)
         if ext.delayed_param_update.enabled:
             # With the pipeline every write of the host's gradients is queued on the host behind Adam: no copy.
             update = DelayedUpdate(
