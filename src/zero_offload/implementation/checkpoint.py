@@ -248,13 +248,23 @@ def load_checkpoint(engine, path, tag: str | None = None, options: LoadOptions =
     # old ones take rank 0's; the streams then differ from the old run's anyway.
     own = files[engine.comm.rank if engine.comm.rank < len(files) else 0]
     client_state = own.get(CLIENT_STATE, {})  # checkpoints of earlier versions have none
-    if options.module_only or not options.optimizer_states:
+    state = None if options.module_only else _training_state(engine, saved, own["rng"], options)
+    if options.optimizer_states and state is not None:
+        _restore_weights(engine, full, saved, state.global_steps)
+    else:
         _restore_weights_only(engine, full, saved)
-    if options.module_only:
-        return Loaded(path, client_state, None)
+    engine.accelerator.fence_copies()  # the weights landed before the caller can write a parameter itself
+    return Loaded(path, client_state, state)
+
+
+def _training_state(engine, saved: dict, rng: dict, options: LoadOptions) -> TrainingState:
+    """The saved run's counters, loss scale and random streams (the schedule too, unless left out)."""
     if options.lr_scheduler_states:
         _load_scheduler(engine, saved)
-    state = TrainingState(
+    torch.set_rng_state(rng["cpu"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    return TrainingState(
         global_steps=saved["global_steps"],
         micro_steps=saved["micro_steps"],
         skipped_steps=saved["skipped_steps"],
@@ -263,14 +273,6 @@ def load_checkpoint(engine, path, tag: str | None = None, options: LoadOptions =
         history=list(saved.get("history", [])),
         scaler_state=_scaler_state(engine, saved),
     )
-    rng = own["rng"]
-    torch.set_rng_state(rng["cpu"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
-    if options.optimizer_states:
-        _restore_weights(engine, full, saved, state.global_steps)
-    engine.accelerator.fence_copies()  # the weights landed before the caller can write a parameter itself
-    return Loaded(path, client_state, state)
 
 
 def _write_states(
