@@ -247,9 +247,8 @@ class OffloadedStates(ShardedStates):
         on_host = overflow_on_any_rank(self.comm, self.flat_grad)
         if self.host_units == len(self.units):
             return on_host
-        on_device = self.comm.any(
-            has_overflow(self.buffers.device_grad)
-        )  # every rank asks both: collectives pair up
+        # Every rank asks both: the collectives pair up.
+        on_device = self.comm.any(has_overflow(self.buffers.device_grad))
         return on_host or on_device
 
     def fp32_gradients(self, inv_scale: float) -> list[torch.Tensor]:
@@ -258,9 +257,8 @@ class OffloadedStates(ShardedStates):
         host = self.grad_shards[: self.host_units]  # fp32 already, and unscaled on arrival (Lab 3.1)
         if self.host_units == len(self.units):
             return host
-        device = unscaled_fp32(
-            self.accel, self.buffers.device_grad, inv_scale
-        )  # the units updated on the device
+        # The units updated on the device.
+        device = unscaled_fp32(self.accel, self.buffers.device_grad, inv_scale)
         return host + self._split(device, [u.shard_numel for u in self.units[self.host_units :]])
 
     def after_backward(self) -> None:

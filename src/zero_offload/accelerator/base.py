@@ -45,6 +45,12 @@ def offload_hint(category: str) -> str:
     return OFFLOAD_HINTS.get(category, "offload model states to the host (see zero_optimization)")
 
 
+def restore_hint(category: str) -> str:
+    """The hint for a storage restored as `category`: restoring parameters is a stage-3 gather, which its own
+    setting (how much is gathered at once) shrinks."""
+    return "gathered_parameters" if category == "parameters" else category
+
+
 def hinted_oom(
     err: torch.OutOfMemoryError,
     category: str,

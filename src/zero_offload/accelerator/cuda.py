@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-from .base import Accelerator, HintOnOutOfMemory, MemoryStats, hinted_oom
+from .base import Accelerator, HintOnOutOfMemory, MemoryStats, hinted_oom, restore_hint
 from .host_allocator import pinned_plan, registered_buffer, remember_plan
 from .streams import CudaStream, Event
 
@@ -121,8 +121,7 @@ class CudaAccelerator(Accelerator):
         try:  # stage 3's gathers: the largest allocations of a step
             tensor.untyped_storage().resize_(nbytes)
         except torch.OutOfMemoryError as err:
-            hint = "gathered_parameters" if category == "parameters" else category
-            raise hinted_oom(err, hint, nbytes=nbytes, stats=self.memory_stats()) from err
+            raise hinted_oom(err, restore_hint(category), nbytes=nbytes, stats=self.memory_stats()) from err
 
     def activations(self, storage_dtype: torch.dtype = torch.float32):
         return HintOnOutOfMemory("activations")

@@ -8,7 +8,7 @@ import weakref
 import torch
 
 from ..units import format_bytes
-from .base import CATEGORIES, Accelerator, DeviceOutOfMemoryError, MemoryStats, hinted_oom
+from .base import CATEGORIES, Accelerator, DeviceOutOfMemoryError, MemoryStats, hinted_oom, restore_hint
 from .host_allocator import keep_freed_blocks, pinned_plan, remember_plan
 from .saved_tensors import ChargeSavedTensors
 from .streams import Event, WorkerStream, on_worker_stream
@@ -169,9 +169,7 @@ class EmulatedAccelerator(Accelerator):
     def restore_storage(self, tensor: torch.Tensor, category: str = "parameters") -> None:
         nbytes = tensor.numel() * tensor.element_size()
         # Charged to `category`, but what shrinks it is how much stage 3 gathers at once.
-        self._charge_or_hint(
-            nbytes, category, "gathered_parameters" if category == "parameters" else category
-        )
+        self._charge_or_hint(nbytes, category, restore_hint(category))
         tensor.untyped_storage().resize_(nbytes)
         self._track(tensor, nbytes, category)
 

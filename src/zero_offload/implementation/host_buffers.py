@@ -71,12 +71,8 @@ class HostBuffers:
         pipelined: bool = False,
         host_optimizer: Callable[[list[int]], HostOptimizerStates] | None = None,
     ):
-        self.accel, self.dtype, self.offload_param, self.pin_optimizer = (
-            accel,
-            dtype,
-            offload_param,
-            pin_optimizer,
-        )
+        self.accel, self.dtype = accel, dtype
+        self.offload_param, self.pin_optimizer = offload_param, pin_optimizer
         self.host_units = host_unit_split(units, host_units)
         sizes = [u.shard_numel for u in units]
         host, device = sizes[: self.host_units], sizes[self.host_units :]
@@ -95,10 +91,9 @@ class HostBuffers:
 
     def _place_gradients(self, host: list[int], device: list[int], pipelined: bool) -> None:
         # Module 5's pipeline clears it when first used. Pageable, it takes no memory until then; pinned, it is
-        # locked (and rounded up to a power of two) from the start.
-        zeroed = not pipelined
+        # locked from the start.
         self.flat_grad = host_buffer(
-            self.accel, sum(host), torch.float32, pin=self.pin_optimizer, zeroed=zeroed
+            self.accel, sum(host), torch.float32, pin=self.pin_optimizer, zeroed=not pipelined
         )
         self.grad_staging = [] if pipelined else split_flat(self._host(sum(host), self.dtype), host)
         # Units updated on the device keep a gradient shard there, in the training precision, still scaled.

@@ -168,9 +168,6 @@ class NVMeStates(OffloadedStates):
         self._writer.shutdown(wait=True)
         self.files.remove()
 
-    def _agree(self, error: Exception | None) -> None:
-        agree_on_files(self.comm, error)
-
     def adopt_full_weights(self, indices, source_rank: int) -> None:
         raise NotImplementedError(
             "gathered_parameters(modifier_rank=...) cannot write into the fp32 masters of the NVMe tier, which "
@@ -193,7 +190,7 @@ class NVMeStates(OffloadedStates):
         except NVMeError as err:
             error = err
         try:
-            self._agree(error)
+            agree_on_files(self.comm, error)
         except NVMeError:
             self.files.remove()
             raise
@@ -251,7 +248,7 @@ class NVMeStates(OffloadedStates):
             error = err
         written, io_error = self._drain(reads, writes)
         try:
-            self._agree(error or io_error)
+            agree_on_files(self.comm, error or io_error)
         except Exception as failure:
             self.files.discard(written)
             for master, count in zip(self.master_params, counts, strict=True):
