@@ -51,10 +51,15 @@ def main():
     deepspeed.init_distributed()
     torch.manual_seed(0)  # the same initial weights on every rank
     net = TinyGPT("nano")
+    # Two parameter groups, as fine-tuning scripts build them: the config's weight decay for the weight matrices,
+    # none for biases and norms.
+    decay = [p for p in net.parameters() if p.dim() >= 2]
+    no_decay = [p for p in net.parameters() if p.dim() < 2]
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
     engine, optimizer, trainloader, lr_scheduler = deepspeed.initialize(
         args=args,
         model=net,
-        model_parameters=net.parameters(),
+        model_parameters=groups,
         training_data=TextWindows(net.cfg.seq_len, 4096),
     )
     start = 0

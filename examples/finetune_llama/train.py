@@ -84,6 +84,14 @@ def evaluate(engine, data: ByteBatches, batches: int = 4) -> float:
     return mean_over_ranks(engine, sum(losses) / len(losses))
 
 
+def decay_groups(model: torch.nn.Module) -> list[dict]:
+    """Two parameter groups, as Hugging Face's Trainer builds them: weight decay for the weight matrices (the
+    config's), none for the 1-d parameters (the RMSNorm scales; biases, in models that have them)."""
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    return [{"params": decay, "name": "decay"}, {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+
+
 def newest_checkpoint(root: Path) -> Path | None:
     # `latest` is written last, once every rank's file and meta.json are in place: without it, a save is unfinished.
     done = [p.parent for p in root.glob("step_*/latest")]
@@ -100,7 +108,8 @@ def main() -> None:
         raise SystemExit(f"{ckpts} holds checkpoints of an earlier run: pass --resume, or another --out")
 
     model = build_model(args.seq_len)
-    engine = zo.initialize(model, load_ds_config(args))  # under torchrun this joins the process group
+    # Under torchrun this joins the process group. The config's weight_decay for the matrices, none for the norms.
+    engine = zo.initialize(model, load_ds_config(args), param_groups=decay_groups(model))
     rank, world, stage = engine.comm.rank, engine.comm.world_size, engine.config.zero_optimization.stage
     say = tqdm.write if rank == 0 else (lambda text: None)
     if args.resume:

@@ -49,6 +49,11 @@ SCRIPT = textwrap.dedent(
         torch.manual_seed(0)
         return TinyGPT("nano")
 
+    def groups(net):  # as fine-tuning scripts build them: no decay for biases and norms
+        decay = [p for n, p in net.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in net.named_parameters() if p.dim() < 2]
+        return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
     def dataset():
         data = ByteBatches(load_corpus(), 32)
         pairs = [data.micro_batch(i, 1) for i in range(48)]
@@ -70,7 +75,7 @@ SCRIPT = textwrap.dedent(
     # DeepSpeed's way.
     net = fresh_model()
     engine, optimizer, loader, scheduler = deepspeed.initialize(
-        args=args, model=net, model_parameters=net.parameters(), training_data=dataset())
+        args=args, model=net, model_parameters=groups(net), training_data=dataset())
     engine.train()
     result = {
         "world_size": engine.world_size, "global_rank": engine.global_rank, "local_rank": engine.local_rank,
@@ -84,7 +89,7 @@ SCRIPT = textwrap.dedent(
 
     # The same model and batches through zo.initialize, with the loader built by hand.
     net = fresh_model()
-    engine = zo.initialize(net, args.deepspeed_config)
+    engine = zo.initialize(net, args.deepspeed_config, param_groups=groups(net))
     data = dataset()
     sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank)
     loader = torch.utils.data.DataLoader(data, batch_size=8 // world, sampler=sampler)
@@ -93,7 +98,8 @@ SCRIPT = textwrap.dedent(
 
     # A new run that resumes from the latest save, and goes on where client_state says.
     net = fresh_model()
-    engine, _, loader, _ = deepspeed.initialize(args=args, model=net, training_data=dataset())
+    engine, _, loader, _ = deepspeed.initialize(
+        args=args, model=net, model_parameters=groups(net), training_data=dataset())
     path, client_state = engine.load_checkpoint(args.save_dir)
     result.update(path=path, client_state=client_state, resumed_at=engine.global_steps)
     result["resumed"] = train(engine, loader, start=client_state["step"])
@@ -134,7 +140,8 @@ def test_a_deepspeed_script_trains_as_zo_initialize_and_resumes_from_its_latest_
         assert result["same_optimizer"] and result["same_scheduler"]
         # The shim adds nothing to the engine: the same losses, bit for bit, as zo.initialize.
         assert result["deepspeed"] == result["zo"]
-        assert result["lr"] == [pytest.approx(3e-3)]  # WarmupLR reached its top after 4 of 6 steps
+        # WarmupLR reached its top after 4 of 6 steps; as DeepSpeed's, it sets every group's lr alike.
+        assert result["lr"] == [pytest.approx(3e-3)] * 2
         # The latest save is tag "half", after 3 steps; each rank gets back the client_state it saved.
         assert result["path"] == str(tmp_path / "checkpoints" / "half")
         assert result["client_state"] == {"step": 3, "rank": rank} and result["resumed_at"] == 3
@@ -153,7 +160,7 @@ def _config(**extra):
         ({"mpu": object()}, "mpu"),
         ({"optimizer": "client"}, '"optimizer"'),
         ({"lr_scheduler": "client"}, '"scheduler"'),
-        ({"model_parameters": "groups"}, "parameter groups"),
+        ({"model_parameters": "mixed"}, "mixes parameter groups"),
         ({"model_parameters": "subset"}, "requires_grad=False"),
     ],
 )
@@ -165,15 +172,47 @@ def test_initialize_refuses_what_the_engine_cannot_honour_naming_the_fix(kwargs,
         kwargs["lr_scheduler"] = torch.optim.lr_scheduler.LambdaLR(
             torch.optim.SGD(model.parameters()), lambda s: 1
         )
-    if kwargs.get("model_parameters") == "groups":
-        kwargs["model_parameters"] = [
-            {"params": [model.weight]},
-            {"params": [model.bias], "weight_decay": 0.0},
-        ]
+    if kwargs.get("model_parameters") == "mixed":
+        kwargs["model_parameters"] = [{"params": [model.weight]}, model.bias]
     if kwargs.get("model_parameters") == "subset":
         kwargs["model_parameters"] = [model.weight]
-    with pytest.raises((NotImplementedError, ValueError), match=named):
+    with pytest.raises((NotImplementedError, ValueError, TypeError), match=named):
         deepspeed.initialize(model=model, config=_config(), **kwargs)
+
+
+def test_a_client_adamw_becomes_the_optimizer_section_and_its_groups_the_parameter_groups():
+    model = torch.nn.Linear(4, 4)
+    client = torch.optim.AdamW(
+        [{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0, "lr": 5e-3}],
+        lr=2e-3, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.05,
+    )  # fmt: skip
+    config = {k: v for k, v in _config().items() if k not in ("optimizer", "scheduler")}
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=client, config=config)
+    assert optimizer is engine.optimizer and optimizer is not client
+    assert engine.config.optimizer.type == "AdamW" and engine.config.optimizer.betas == (0.8, 0.9)
+    settings = [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in optimizer.param_groups]
+    assert settings == [(2e-3, (0.8, 0.9), 1e-6, 0.05), (5e-3, (0.8, 0.9), 1e-6, 0.0)]
+    engine.close()
+    l2 = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=0.01)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=l2, config=config)
+    assert engine.config.optimizer.type == "Adam" and not engine.config.optimizer.adamw  # torch's Adam: L2
+    engine.close()
+
+
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        (lambda m: torch.optim.AdamW(m.parameters(), amsgrad=True), "amsgrad"),
+        (lambda m: torch.optim.AdamW(m.parameters()), "both optimizer="),
+    ],
+)
+def test_a_client_optimizer_the_engine_cannot_run_as_it_would_is_refused(make, named):
+    model = torch.nn.Linear(4, 4)
+    config = (
+        _config() if named == "both optimizer=" else {k: v for k, v in _config().items() if k != "optimizer"}
+    )
+    with pytest.raises((NotImplementedError, ValueError), match=named):
+        deepspeed.initialize(model=model, optimizer=make(model), config=config)
 
 
 def test_the_config_comes_from_config_or_args_never_both():

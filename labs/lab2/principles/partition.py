@@ -55,8 +55,11 @@ def shard_layout(numels: list[int], world_size: int, rank: int, align: int = ALI
 class Unit:
     """The parameters of one module, flattened: what ZeRO-3 gathers and releases together."""
 
-    def __init__(self, name: str, params: list[torch.nn.Parameter], world_size: int, rank: int):
+    def __init__(
+        self, name: str, params: list[torch.nn.Parameter], world_size: int, rank: int, *, group: int = 0
+    ):
         self.name, self.params = name, params
+        self.group = group  # the parameter group (engine/param_groups.py) whose settings Adam uses on it
         self.numels = [p.numel() for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.numel = sum(self.numels)
@@ -67,20 +70,28 @@ class Unit:
         return f"Unit({self.name!r}, {len(self.params)} params, {self.numel} elements)"
 
 
-def build_units(model: torch.nn.Module, world_size: int, rank: int) -> list[Unit]:
+def build_units(
+    model: torch.nn.Module, world_size: int, rank: int, group_of: dict[int, int] | None = None
+) -> list[Unit]:
     """One unit per module that registers trainable parameters, in registration order.
 
     A tied parameter (the embedding reused as the output head) joins the unit of the first module that
-    registers it, and only that one: it is stored, reduced and updated once.
+    registers it, and only that one: it is stored, reduced and updated once. With parameter groups
+    (`group_of`: id(param) -> group), a module whose parameters fall in several groups gets one unit per
+    group, in the order of the groups, so that each unit's Adam settings are one group's.
     """
     seen: set[int] = set()
     units = []
     for name, module in model.named_modules():
-        params = []
+        by_group: dict[int, list] = {}
         for param in module.parameters(recurse=False):
             if param.requires_grad and id(param) not in seen:
                 seen.add(id(param))
-                params.append(param)
-        if params:
-            units.append(Unit(name or "<root>", params, world_size, rank))
+                group = 0 if group_of is None else group_of[id(param)]
+                by_group.setdefault(group, []).append(param)
+        for group in sorted(by_group):
+            label = name or "<root>"
+            if len(by_group) > 1:
+                label = f"{label} (group {group})"
+            units.append(Unit(label, by_group[group], world_size, rank, group=group))
     return units

@@ -188,6 +188,7 @@ class OffloadedStates(ShardedStates):
         pipelined: bool = False,
         host_units: int | None = None,
         host_optimizer=None,
+        group_of: dict[int, int] | None = None,
     ):
         placement = functools.partial(
             HostBuffers,
@@ -204,7 +205,15 @@ class OffloadedStates(ShardedStates):
         )
         # Gradients leave the device as backward makes them, at every stage.
         super().__init__(
-            model, accel, precision, stage, comm, zero, partition_gradients=True, place_buffers=placement
+            model,
+            accel,
+            precision,
+            stage,
+            comm,
+            zero,
+            partition_gradients=True,
+            place_buffers=placement,
+            group_of=group_of,
         )
         buffers = self.buffers
         self.host_units, self.host_fraction = buffers.host_units, buffers.host_fraction

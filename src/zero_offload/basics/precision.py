@@ -145,6 +145,37 @@ def unique_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return params
 
 
+def _runs(numels: list[int], groups: list[int] | None) -> tuple[list[int], list[int]]:
+    """The lengths and groups of the runs of consecutive parameters in one group (one run: no groups)."""
+    if groups is None:
+        return [sum(numels)], [0]
+    lengths, run_groups = [], []
+    for numel, group in zip(numels, groups, strict=True):
+        if run_groups and run_groups[-1] == group:
+            lengths[-1] += numel
+        else:
+            lengths.append(numel)
+            run_groups.append(group)
+    return lengths, run_groups
+
+
+def _split_pieces(pieces: list[int], lengths: list[int]) -> list[list[int]]:
+    """`pieces` (consecutive lengths) cut where each of `lengths` ends: the pieces of each run."""
+    per_run, run, left, queue = [], [], lengths[0], list(pieces)
+    while queue:
+        piece = queue.pop(0)
+        take = min(piece, left)
+        run.append(take)
+        left -= take
+        if piece > take:
+            queue.insert(0, piece - take)
+        if left == 0:
+            per_run.append(run)
+            run = []
+            left = lengths[len(per_run)] if len(per_run) < len(lengths) else 0
+    return per_run
+
+
 class MixedPrecisionStates:
     """The model states of one model as flat buffers on the device (ZeRO stage 0: nothing is partitioned).
 
@@ -168,6 +199,7 @@ class MixedPrecisionStates:
         comm=None,
         *,
         norm_pieces=None,
+        groups: list[int] | None = None,
     ):
         if precision not in LOW_PRECISION:
             raise ValueError(f"precision must be one of {sorted(LOW_PRECISION)}, got {precision!r}")
@@ -178,7 +210,11 @@ class MixedPrecisionStates:
         # sharded stages' units (one per module), so that one rank's norm is theirs bit for bit. None: one piece.
         if norm_pieces is not None and sum(norm_pieces) != self.numel:
             raise ValueError(f"norm_pieces cover {sum(norm_pieces)} elements, the parameters {self.numel}")
-        self.norm_pieces = norm_pieces
+        # With parameter groups (`groups`: the group of each parameter, which come grouped unit by unit), the
+        # optimizer gets one master piece per run of consecutive parameters of one group, with its settings.
+        self.master_lengths, self.master_groups = _runs([p.numel() for p in params], groups)
+        # Per master piece, the lengths of the pieces whose squares grad_norm sums one by one.
+        self.norm_pieces = _split_pieces(norm_pieces or [self.numel], self.master_lengths)
         # Allocation order is the order a GPU would fill: weights, gradients, then the optimizer's fp32 states,
         # so an out-of-memory error names the states that offloading would move.
         self.flat_param = accel.empty(self.numel, self.dtype, category="parameters")
@@ -204,8 +240,10 @@ class MixedPrecisionStates:
             param.data = self.flat_param[offset : offset + n].view_as(param)
             param.grad = self.flat_grad[offset : offset + n].view_as(param)
             offset += n
-        # What the optimizer updates: one flat fp32 tensor and its moments.
-        self.master_params, self.exp_avgs, self.exp_avg_sqs = [self.master], [self.exp_avg], [self.exp_avg_sq]
+        # What the optimizer updates: the flat fp32 tensor and its moments (one piece per group run, views).
+        self.master_params, self.exp_avgs, self.exp_avg_sqs = (
+            list(flat.split(self.master_lengths)) for flat in (self.master, self.exp_avg, self.exp_avg_sq)
+        )
 
     @contextlib.contextmanager
     def gathered(self, params=None, *, modifier_rank: int | None = None):
@@ -250,13 +288,15 @@ class MixedPrecisionStates:
 
     def fp32_gradients(self, inv_scale: float) -> list[torch.Tensor]:
         """The gradients in fp32, divided by the loss scale (`inv_scale` = 1 / scale)."""
-        return [unscaled_fp32(self.accel, self.flat_grad, inv_scale)]
+        return list(unscaled_fp32(self.accel, self.flat_grad, inv_scale).split(self.master_lengths))
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
         # As the sharded stages compute it (basics/norm.py), piece by piece: rows of 4096 that cross from one
         # unit into the next would sum other numbers in fp32. After the all-reduce every rank holds the whole
         # gradient, so there is nothing to add across ranks.
-        pieces = [g for grad in grads for g in (grad.split(self.norm_pieces) if self.norm_pieces else [grad])]
+        pieces = [
+            g for grad, lengths in zip(grads, self.norm_pieces, strict=True) for g in grad.split(lengths)
+        ]
         return global_norm(squared_norm(piece) for piece in pieces)
 
     def publish(self, *, rounded: bool = False) -> None:
@@ -281,7 +321,8 @@ class MixedPrecisionStates:
         return 0
 
     def each_unit(self, *, write: bool = False):
-        """The index of each piece the optimizer updates (one: the flat master), readable and writable here."""
+        """The index of each piece the optimizer updates (one per group run of the flat master), readable and
+        writable here."""
         yield from range(len(self.master_params))
 
     def close(self) -> None:

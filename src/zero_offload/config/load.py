@@ -53,7 +53,7 @@ def load_config(source: dict | str | os.PathLike | Config, *, world_size: int = 
         # Built in Python, not from JSON: keep the per-GPU batch and derive the global one afresh.
         return _parse({k: v for k, v in source.to_dict().items() if k != "train_batch_size"}, world_size)
     if isinstance(source, (str, os.PathLike)):
-        source = _read_file(os.fspath(source))
+        source = read_config_file(os.fspath(source))
     return _parse(source, world_size)
 
 
@@ -164,7 +164,7 @@ def _batch_sizes(
     return tbs, micro, gas
 
 
-def _read_file(name: str) -> dict:
+def read_config_file(name: str) -> dict:
     try:
         with open(name, encoding="utf-8") as f:
             data = json.load(f, object_pairs_hook=_Pairs)

@@ -12,6 +12,7 @@ from ..engine.engine import Engine, close_open_engines
 from ..engine.engine import initialize as zo_initialize
 from ..principles.process_group import free_port
 from ..principles.process_group import init_distributed as join_group
+from .client_optimizer import read_client_optimizer
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -82,7 +83,9 @@ def initialize(
 
     The config comes from `config` (or its older name `config_params`): a dict or a JSON path; else from
     `args.deepspeed_config`. The optimizer and the schedule are the config's "optimizer" and "scheduler"
-    sections. `training_data` (a torch Dataset) becomes a DataLoader as DeepSpeed builds it: batches of
+    sections; a torch.optim.Adam or AdamW given as `optimizer` stands for the first (client_optimizer.py).
+    `model_parameters` may be the model's parameters or torch.optim-style groups of them, each with its own
+    lr, betas, eps and weight_decay (engine/param_groups.py). `training_data` (a torch Dataset) becomes a DataLoader as DeepSpeed builds it: batches of
     train_micro_batch_size_per_gpu, a DistributedSampler over the ranks, drop_last from the config's
     "dataloader_drop_last"; None without it."""
     for name, value, why in (
@@ -93,9 +96,13 @@ def initialize(
             raise NotImplementedError(f"initialize({name}=...): {why}; drop the argument")
     if model is None:
         raise ValueError("initialize() needs the model: initialize(model=net, ...)")
-    _refuse_client_objects(optimizer, lr_scheduler)
-    _check_parameters(model, model_parameters)
-    engine = zo_initialize(model, _config_source(args, config, config_params))
+    _refuse_client_scheduler(lr_scheduler)
+    source = _config_source(args, config, config_params)
+    groups = None if model_parameters is None else list(model_parameters)
+    if optimizer is not None:  # its settings become the config's optimizer section, its groups the groups
+        source, client_groups = read_client_optimizer(optimizer, source)
+        groups = _client_groups(client_groups, groups)
+    engine = zo_initialize(model, source, param_groups=groups)
     loader = None if training_data is None else _loader(engine, training_data, collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
@@ -117,40 +124,33 @@ def _config_source(args, config, config_params):
     return config
 
 
-def _refuse_client_objects(optimizer, lr_scheduler) -> None:
-    if optimizer is not None:
-        raise NotImplementedError(
-            f"initialize(optimizer=<{type(optimizer).__name__}>): the engine builds its own Adam or AdamW, on the "
-            'device or the host, from the config: drop optimizer= and write its settings as "optimizer": '
-            '{"type": "AdamW", "params": {"lr": ..., "betas": [...], "eps": ..., "weight_decay": ...}}'
-        )
+def _refuse_client_scheduler(lr_scheduler) -> None:
     if lr_scheduler is not None:
         raise NotImplementedError(
             f"initialize(lr_scheduler=<{type(lr_scheduler).__name__}>): the engine steps its own schedule from "
             'the config: drop lr_scheduler= and write it as "scheduler": {"type": "WarmupLR", "params": {...}} '
-            "(WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle)"
+            "(WarmupLR, WarmupDecayLR, WarmupCosineLR)"
         )
 
 
-def _check_parameters(model: torch.nn.Module, model_parameters) -> None:
-    """The engine trains every parameter of the model with requires_grad: `model_parameters` must say the same."""
-    if model_parameters is None:
-        return
-    given = list(model_parameters)
-    if any(isinstance(item, dict) for item in given):
-        raise NotImplementedError(
-            "initialize(model_parameters=[{...}, ...]): parameter groups are not supported yet; pass "
-            "model.parameters() and set one weight_decay in the config's optimizer section"
-        )
-    trained = {id(p) for p in model.parameters() if p.requires_grad}
-    ids = {id(p) for p in given}
-    if ids != trained:
-        missing, foreign = len(trained - ids), len(ids - trained)
-        raise ValueError(
-            f"model_parameters leaves out {missing} trainable parameter(s) of the model and adds {foreign} that "
-            "it does not train; the engine trains exactly the model's parameters with requires_grad: set "
-            "requires_grad=False on those it must not train, and pass model.parameters()"
-        )
+def _client_groups(client_groups: list[dict], model_parameters: list | None) -> list[dict]:
+    """The client optimizer's groups; `model_parameters`, if given too, must name the same parameters."""
+    if model_parameters is not None:
+        given = {id(p) for item in model_parameters for p in _tensors_of(item)}
+        held = {id(p) for group in client_groups for p in group["params"]}
+        if given != held:
+            raise ValueError(
+                "model_parameters and the optimizer's param groups hold different parameters; pass the same "
+                "ones, or leave model_parameters out (the optimizer's groups are used)"
+            )
+    return client_groups
+
+
+def _tensors_of(item) -> list:
+    if isinstance(item, dict):
+        params = item.get("params", [])
+        return [params] if isinstance(params, torch.Tensor) else list(params)
+    return [item]
 
 
 def _loader(engine: Engine, data, collate_fn) -> torch.utils.data.DataLoader:

@@ -43,6 +43,7 @@ from .model_setup import (
 )
 from .optimizer_step import OptimizerStep
 from .optimizers import build_optimizers
+from .param_groups import group_fingerprint, resolve_param_groups
 from .states import build_states
 
 # Engines not closed yet. At exit they are closed, so that a script which never calls engine.close() still ends
@@ -78,6 +79,7 @@ class Engine:
         *,
         accelerator: Accelerator | None = None,
         joined_group: JoinedGroup | None = None,
+        param_groups=None,
     ):
         check_supported(config)
         self._closed = False
@@ -98,21 +100,32 @@ class Engine:
             )
         self.comm.check_same("configs", config.fingerprint())
         check_same_parameters(self.comm, model)  # before the states' collectives, which would mispair
-        params = unique_parameters(model)
-        if not params:
+        if not unique_parameters(model):
             raise ValueError("the model has no trainable parameters")
+        # Which parameters Adam updates with which settings (param_groups.py): the script's, else one group.
+        self.groups = resolve_param_groups(model, param_groups, config.optimizer)
+        self.comm.check_same(
+            "parameter groups",
+            group_fingerprint(self.groups, model),
+            "Build the same parameter groups, with the same settings, on every rank.",
+        )
         # bf16 and fp32 have fp32's exponent range: no scaling.
         self.scaler = (
             DynamicLossScaler.from_config(config.fp16) if config.fp16.enabled else StaticLossScaler(1.0)
         )
         # Where the model states live (states.py): one states object of modules 1 to 5.
         self.states = build_states(
-            model, params, config, self.accelerator, self.comm, loss_scale=lambda: self.scaler.scale
+            model,
+            config,
+            self.accelerator,
+            self.comm,
+            loss_scale=lambda: self.scaler.scale,
+            groups=self.groups,
         )
         self.params, self.num_params = self.states.params, self.states.numel
         place_buffers_and_frozen(model, self.accelerator, self.states.dtype)
         offloaded = config.zero_optimization.stage > 0 and config.zero_optimization.offload_optimizer.enabled
-        optimizers = build_optimizers(config, self.states, offloaded=offloaded)
+        optimizers = build_optimizers(config, self.states, self.groups, offloaded=offloaded)
         self.optimizer = optimizers.optimizer
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
         self.ledger = MemoryLedger(self.accelerator)
@@ -370,8 +383,14 @@ class Engine:
         )
 
 
-def initialize(model: torch.nn.Module, config, *, accelerator: Accelerator | None = None) -> Engine:
+def initialize(
+    model: torch.nn.Module, config, *, accelerator: Accelerator | None = None, param_groups=None
+) -> Engine:
     """Wrap `model` in an engine configured by `config` (a dict, a path to a DeepSpeed-style JSON, or a Config).
+
+    `param_groups`: torch.optim-style groups of the model's parameters, e.g. `[{"params": decay,
+    "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]`, each with its own lr, betas, eps and
+    weight_decay (those it leaves out are the config's); every trainable parameter in exactly one group.
 
     Under torchrun, a script that has not joined the process group is joined to it here, with the backend of
     the accelerator (gloo for the emulated device, NCCL for CUDA); the engine then holds that group."""
@@ -384,6 +403,7 @@ def initialize(model: torch.nn.Module, config, *, accelerator: Accelerator | Non
             load_config(config, world_size=world_size),
             accelerator=accelerator,
             joined_group=joined_group,
+            param_groups=param_groups,
         )
     except BaseException:
         # No engine holds the group for this call: if nobody else does, leave no gloo threads behind.

@@ -18,14 +18,29 @@ from ..config import Config
 from ..tuning.build import CPUAdamUnavailable
 from ..tuning.cpu_adam import CPUAdam
 from ..tuning.partial import SplitOptimizer
+from .param_groups import ParamGroups
 
 
-def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: list, impl: str | None = None):
+def build_optimizer(
+    config: Config,
+    params: list,
+    exp_avgs: list,
+    exp_avg_sqs: list,
+    impl: str | None = None,
+    *,
+    groups: ParamGroups | None = None,
+    master_groups: list[int] | None = None,
+):
     """The Adam that updates the fp32 `params`, with its moments living in the buffers the states allocated.
 
-    `impl` defaults to the config's zero_offload.cpu_adam.impl ("simd", "torch" or "naive")."""
+    `impl` defaults to the config's zero_offload.cpu_adam.impl ("simd", "torch" or "naive"). With parameter
+    `groups`, `master_groups` says the group of each of `params`; the optimizer has the script's groups, in
+    its order, each with its own settings (None: one group, the config's)."""
     opt, impl = config.optimizer, impl or config.zero_offload.cpu_adam.impl
     kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+    moments = {id(m): (a, b) for m, a, b in zip(params, exp_avgs, exp_avg_sqs, strict=True)}
+    if groups is not None:  # the settings come with each group; the keyword ones are only the defaults
+        params = groups.torch_groups(params, master_groups)
     optimizer = simd_optimizer(config, params, kwargs) if impl == "simd" else None  # module 4's C Adam
     if optimizer is None and impl == "naive":
         optimizer = Adam(params, adamw=opt.adamw, **kwargs)
@@ -38,7 +53,8 @@ def build_optimizer(config: Config, params: list, exp_avgs: list, exp_avg_sqs: l
         cls = torch.optim.AdamW if opt.adamw else torch.optim.Adam
         optimizer = cls(params, fused=True, **kwargs)
     # Filled in before the first step, so the optimizer never allocates moments of its own behind our back.
-    for param, exp_avg, exp_avg_sq in zip(params, exp_avgs, exp_avg_sqs, strict=True):
+    for param in (p for group in optimizer.param_groups for p in group["params"]):
+        exp_avg, exp_avg_sq = moments[id(param)]
         optimizer.state[param] = {
             "step": torch.zeros((), dtype=torch.float32, device=param.device),
             "exp_avg": exp_avg,
@@ -83,17 +99,25 @@ class Optimizers:
     split: int
 
 
-def build_optimizers(config: Config, states, *, offloaded: bool) -> Optimizers:
-    """One Adam over every master partition; with a partial offload, one on the host and one on the device."""
+def build_optimizers(config: Config, states, groups: ParamGroups, *, offloaded: bool) -> Optimizers:
+    """One Adam over every master partition; with a partial offload, one on the host and one on the device.
+    Each has the parameter `groups` (engine/param_groups.py), over the masters of its own units."""
     impl = config.zero_offload.cpu_adam.impl
     device_impl = "naive" if impl == "naive" else "torch"
     host_impl = impl if offloaded else device_impl
-    lists = (states.master_params, states.exp_avgs, states.exp_avg_sqs)
+    lists = (states.master_params, states.exp_avgs, states.exp_avg_sqs, states.master_groups)
+
+    def build(part: slice, part_impl: str):
+        masters, exp_avgs, exp_avg_sqs, master_groups = (x[part] for x in lists)
+        return build_optimizer(
+            config, masters, exp_avgs, exp_avg_sqs, part_impl, groups=groups, master_groups=master_groups
+        )
+
     # The first optimizer's units: the host's when offloaded (all but module 4's device units), else all.
     split = states.host_units if offloaded else len(states.master_params)
     if split == len(states.master_params):
-        host = build_optimizer(config, *lists, impl=host_impl)
+        host = build(slice(None), host_impl)
         return Optimizers(host, host, None, split)
-    host = build_optimizer(config, *(x[:split] for x in lists), impl=host_impl) if split else None
-    device = build_optimizer(config, *(x[split:] for x in lists), impl=device_impl)
+    host = build(slice(None, split), host_impl) if split else None
+    device = build(slice(split, None), device_impl)
     return Optimizers(SplitOptimizer(host, device), host, device, split)

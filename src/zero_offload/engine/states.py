@@ -27,6 +27,7 @@ from ..principles.comm import Comm
 from ..principles.partition import build_units
 from ..principles.zero import ShardedStates
 from ..tuning.partial import host_unit_count
+from .param_groups import ParamGroups
 
 
 class States(Protocol):
@@ -38,8 +39,10 @@ class States(Protocol):
     params: list[torch.nn.Parameter]  # the unique trainable parameters, whose .data the states own
     numel: int
     dtype: torch.dtype  # the training precision of the weights forward reads
-    # The fp32 pieces the optimizer updates (views; the NVMe tier's are valid while in their slot).
+    # The fp32 pieces the optimizer updates (views; the NVMe tier's are valid while in their slot), and the
+    # parameter group of each (engine/param_groups.py).
     master_params: list[torch.Tensor]
+    master_groups: list[int]
     # implementation.transfers.Transfers once offloaded (the PCIe bytes counted), else None.
     transfers: object | None
     # Stage 3: principles.stage3_gather.UnitGathering, else None (every rank holds the full weights).
@@ -69,21 +72,32 @@ class States(Protocol):
 
 
 def build_states(
-    model: torch.nn.Module, params: list, config: Config, accel: Accelerator, comm: Comm, *, loss_scale
+    model: torch.nn.Module, config: Config, accel: Accelerator, comm: Comm, *, loss_scale, groups: ParamGroups
 ) -> States:
-    """The states of `model` (its unique trainable `params`); `loss_scale()` is the current loss scale, which
-    the offloaded states divide the gradients by on their way to the host."""
-    zero = config.zero_optimization
-    if zero.stage == 0:  # the norm summed unit by unit, as the other stages do: one rank gets the same number
-        pieces = [unit.numel for unit in build_units(model, 1, 0)]
-        return MixedPrecisionStates(params, accel, config.precision, comm, norm_pieces=pieces)
+    """The states of `model`'s trainable parameters, each unit in one of the parameter `groups`;
+    `loss_scale()` is the current loss scale, which the offloaded states divide the gradients by on their way
+    to the host."""
+    zero, group_of = config.zero_optimization, groups.unit_groups()
+    if zero.stage == 0:
+        # In the units' order, and the norm summed unit by unit, as the other stages do: one rank gets the same
+        # number. A group's parameters are consecutive within a unit, so each run of them is one master piece.
+        units = build_units(model, 1, 0, group_of)
+        params = [p for unit in units for p in unit.params]
+        return MixedPrecisionStates(
+            params,
+            accel,
+            config.precision,
+            comm,
+            norm_pieces=[unit.numel for unit in units],
+            groups=None if group_of is None else [unit.group for unit in units for _ in unit.params],
+        )
     if not zero.offload_optimizer.enabled:
-        return ShardedStates(model, accel, config.precision, zero.stage, comm, zero)
-    tier, placement = OffloadedStates, {}
+        return ShardedStates(model, accel, config.precision, zero.stage, comm, zero, group_of=group_of)
+    tier, placement = OffloadedStates, {"group_of": group_of}
     if zero.offload_optimizer.device == "nvme":  # module 5
         tier = NVMeStates
     elif zero.offload_optimizer.ratio < 1.0:  # module 4: the leading units closest to the ratio on the host
-        sizes = [unit.shard_numel for unit in build_units(model, comm.world_size, comm.rank)]
+        sizes = [unit.shard_numel for unit in build_units(model, comm.world_size, comm.rank, group_of)]
         placement["host_units"] = host_unit_count(sizes, zero.offload_optimizer.ratio)
     return tier(
         model,

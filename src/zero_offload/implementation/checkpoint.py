@@ -66,7 +66,7 @@ from .checkpoint_format import (
     saved_tensors,
     units_of,
 )
-from .checkpoint_read import assemble, check_fits, read_meta, read_rank_files
+from .checkpoint_read import assemble, check_fits, check_same_groups, read_meta, read_rank_files
 from .checkpoint_tags import checkpoint_folder, complete
 from .durable import CheckpointError, fsync_dir, mount_point, os_error_behind, write_error, write_temp
 
@@ -238,6 +238,8 @@ def load_checkpoint(engine, path, tag: str | None = None, options: LoadOptions =
     files = read_rank_files(path)
     saved = files[0]
     check_fits(path, saved, engine.model)
+    if options.optimizer_states and not options.module_only:  # m and v are only valid under the same groups
+        check_same_groups(path, saved, engine)
     full = assemble(path, files, piece_keys(saved))
     with torch.no_grad():
         for key, tensor in model_entries(engine.model).items():

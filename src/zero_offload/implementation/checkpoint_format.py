@@ -47,16 +47,33 @@ def _pieces(engine) -> list[tuple[str, int, int, int, int]]:
     """(name, start, numel, index, offset): elements [start, start + numel) of flattened parameter `name`
     are elements [offset, offset + numel) of this rank's master_params[index] and of its m and v."""
     states, names = engine.states, _param_names(engine.model)
-    if engine.config.zero_optimization.stage == 0:  # one flat buffer over all parameters, in order
-        offsets = [0]
+    if engine.config.zero_optimization.stage == 0:  # one flat buffer, cut into a master piece per group run
+        found, index, offset = [], 0, 0
         for param in states.params:
-            offsets.append(offsets[-1] + param.numel())
-        return [(names[id(p)], 0, p.numel(), 0, offsets[i]) for i, p in enumerate(states.params)]
+            if offset == states.master_lengths[index]:
+                index, offset = index + 1, 0
+            found.append((names[id(param)], 0, param.numel(), index, offset))
+            offset += param.numel()
+        return found
     return [
         (names[id(unit.params[s.param])], s.param_start, s.numel, index, s.shard_start)
         for index, unit in enumerate(states.units)
         for s in unit.layout.slices
     ]
+
+
+def param_group_records(engine) -> list[dict]:
+    """Each parameter group as plain values: its parameters' names and its lr, betas, eps and weight_decay."""
+    groups = engine.groups
+    return [
+        {**settings, "betas": list(settings["betas"]), "params": names}
+        for settings, names in zip(groups.settings, groups.names(engine.model), strict=True)
+    ]
+
+
+def saved_param_groups(saved: dict) -> list[dict]:
+    """The groups rank file `saved` records; a checkpoint of an earlier version had one, of every parameter."""
+    return saved.get("param_groups") or [{"params": sorted(saved["params"])}]
 
 
 def piece_keys(saved: dict) -> tuple[str, ...]:
@@ -120,6 +137,8 @@ def rank_state(engine, client_state=None) -> dict:
         "fingerprint": engine.config.fingerprint(),
         "config": engine.config.to_dict(),
         "params": {name: list(p.shape) for name, p in model.named_parameters() if p.requires_grad},
+        # The parameter groups (engine/param_groups.py): each one's members by name and its settings.
+        "param_groups": param_group_records(engine),
         "state_dict_keys": list(entries),
         "aliases": {key: name for key, name in entries.items() if isinstance(name, str)},
         "extras": {key: tensor.detach().to("cpu", copy=True) for key, tensor in others.items()},

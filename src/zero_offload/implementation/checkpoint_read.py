@@ -24,8 +24,10 @@ from .checkpoint_format import (
     RANK_FILE_NAME,
     crc32,
     model_entries,
+    param_group_records,
     piece_keys,
     rank_file,
+    saved_param_groups,
     saved_tensors,
 )
 from .checkpoint_tags import checkpoint_folder
@@ -256,4 +258,34 @@ def check_fits(path, saved: dict, model: torch.nn.Module) -> None:
         raise CheckpointError(
             f"the checkpoint {path} does not fit this model:\n  {shown}\n"
             "load it into the model it was saved from (the same preset and settings)"
+        )
+
+
+def check_same_groups(path, saved: dict, engine) -> None:
+    """The checkpoint's parameter groups hold the parameters this engine's do, group by group: Adam's moments
+    were made under those settings. Settings that changed (a new lr, say) are the script's to change: a warning
+    says which."""
+    theirs = saved_param_groups(saved)
+    ours = param_group_records(engine)
+    group_there = {name: i for i, group in enumerate(theirs) for name in group["params"]}
+    group_here = {name: i for i, group in enumerate(ours) for name in group["params"]}
+    moved = [(name, group_there.get(name), i) for name, i in group_here.items() if group_there.get(name) != i]
+    if len(theirs) != len(ours) or moved:
+        shown = "; ".join(f"{name} is in group {there} there, {here} here" for name, there, here in moved[:3])
+        raise CheckpointError(
+            f"the checkpoint {path} was saved with {len(theirs)} parameter group(s) and this engine has "
+            f"{len(ours)}{': ' + shown if shown else ''}. Build the same groups as the run that saved, or load "
+            "with load_optimizer_states=False (the weights only; Adam starts afresh under the new groups)"
+        )
+    changed = [
+        f"group {i} {key} {there[key]} -> {here[key]}"
+        for i, (there, here) in enumerate(zip(theirs, ours, strict=True))
+        for key in ("lr", "betas", "eps", "weight_decay")
+        if key in there and there[key] != here[key]
+    ]
+    if changed:
+        warnings.warn(
+            f"the parameter groups' settings differ from the checkpoint's ({', '.join(changed)}); "
+            "this run's settings are used from here",
+            stacklevel=4,
         )

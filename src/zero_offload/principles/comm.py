@@ -168,8 +168,13 @@ class Comm:
         if self.any(error is not None):
             raise error if error is not None else elsewhere
 
-    def check_same(self, what: str, value: str) -> None:
-        """Fail on every rank, naming the ranks that differ, unless every rank holds the same `value`."""
+    def check_same(
+        self,
+        what: str,
+        value: str,
+        fix: str = "Every rank must load the same config file (compare with `zo check-config FILE --world-size N`).",
+    ) -> None:
+        """Fail on every rank, naming the ranks that differ and saying `fix`, unless every rank holds `value`."""
         if self.world_size == 1:
             return
         values = [None] * self.world_size
@@ -179,10 +184,7 @@ class Comm:
             for rank, v in enumerate(values):
                 groups.setdefault(v, []).append(rank)
             listing = "; ".join(f"ranks {r} have {v[:12]}" for v, r in groups.items())
-            raise ValueError(
-                f"the ranks were started with different {what}: {listing}. Every rank must load "
-                "the same config file (compare with `zo check-config FILE --world-size N`)."
-            )
+            raise ValueError(f"the ranks were started with different {what}: {listing}. {fix}")
 
 
 # The single-tensor collectives by their newest names (torch 2.13), then the names older releases have (2.1 to

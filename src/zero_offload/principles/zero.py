@@ -81,7 +81,8 @@ class ShardedStates:
 
     What differs between the tiers comes in as arguments: `partition_gradients` (None: from stage 2 on, as
     ZeRO does; module 3 partitions them at every stage) and `place_buffers`, which is given the units and
-    returns where their buffers live (None: all on the device, device_buffers.DeviceBuffers)."""
+    returns where their buffers live (None: all on the device, device_buffers.DeviceBuffers), and `group_of`,
+    the parameter group of each parameter (None: one group)."""
 
     transfers = None  # nothing crosses PCIe while every state lives on the device (module 3's do)
 
@@ -96,14 +97,17 @@ class ShardedStates:
         *,
         partition_gradients: bool | None = None,
         place_buffers: Callable[[list[Unit]], object] | None = None,
+        group_of: dict[int, int] | None = None,
     ):
         if stage not in (1, 2, 3):
             raise ValueError(f"ShardedStates handles stages 1-3, got {stage}")
         self.accel, self.comm, self.stage, self.precision = accel, comm, stage, precision
         self.dtype = LOW_PRECISION[precision]
-        self.units = build_units(model, comm.world_size, comm.rank)
+        # `group_of`: with parameter groups (engine/param_groups.py), each unit holds one group's parameters.
+        self.units = build_units(model, comm.world_size, comm.rank, group_of)
         if not self.units:
             raise ValueError("the model has no trainable parameters")
+        self.master_groups = [unit.group for unit in self.units]  # the group of each master piece
         self.params = [p for unit in self.units for p in unit.params]
         self.numel = sum(unit.numel for unit in self.units)
         full_numel = sum(unit.padded_numel for unit in self.units)

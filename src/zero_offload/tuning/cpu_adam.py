@@ -163,12 +163,27 @@ class CPUAdam(torch.optim.Optimizer):
                         bias_correction=bias_correction)  # fmt: skip
         super().__init__(params, defaults)
         self.threads, self.variant = threads, variant
+        self._groups_table: tuple = (None, {})  # group_of's: the groups' sizes it was made for, id -> group
         build()  # compile now, not in the middle of the first step
         if variant != "auto" and variant not in supported_variants():
             raise ValueError(
                 f"this CPU cannot run the {variant!r} variant of the C Adam (it runs "
                 f"{', '.join(supported_variants())}); set zero_offload.cpu_adam.variant to one of them, or to 'widest'"
             )
+
+    def group_of(self, param: torch.Tensor) -> dict:
+        """The param group that holds `param`, whose settings its update uses."""
+        # Looked up once per unit and step: a table, made again if a group was added since.
+        sizes = tuple(len(group["params"]) for group in self.param_groups)
+        if self._groups_table[0] != sizes:
+            table = {id(p): index for index, group in enumerate(self.param_groups) for p in group["params"]}
+            self._groups_table = (sizes, table)
+        index = self._groups_table[1].get(id(param))
+        if index is None:
+            raise KeyError(
+                f"a tensor of shape {tuple(param.shape)} is in none of this optimizer's param groups"
+            )
+        return self.param_groups[index]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -199,7 +214,7 @@ def one_pass_update(
     the same pass, its fp16/bf16 copy written into `out` (None: fp32 training, the master is the copy).
 
     `norm`: also return the gradient's squared norm (times clip_factor squared), summed on the way."""
-    group, state = optimizer.param_groups[0], optimizer.state[master]
+    group, state = optimizer.group_of(master), optimizer.state[master]
     state["step"] += 1
     rows = torch.empty(norm_rows(master.numel()), dtype=torch.float32) if norm else None
     cpu_adam_update(
@@ -221,7 +236,7 @@ def one_pass_offload_step(
     each unit's squared gradient norm is appended to it, summed in the same pass. Returns True: the staging
     buffers hold the rounded weights, for publish(rounded=True)."""
     # The optimizer's parameters are the host's units, which come first (tuning/partial.py).
-    masters = optimizer.param_groups[0]["params"]
+    masters = states.master_params[: sum(len(group["params"]) for group in optimizer.param_groups)]
     if len(grads) != len(masters):
         raise ValueError(f"{len(grads)} gradients for {len(masters)} master partitions; pass one per unit")
     for index in range(len(masters)) if units is None else units:
