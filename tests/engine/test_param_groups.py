@@ -16,6 +16,7 @@ from tests.support.distributed import check, run_ranks
 from tests.support.training import BATCH, SEQ
 from zero_offload.accelerator import EmulatedAccelerator
 from zero_offload.implementation.durable import CheckpointError
+from zero_offload.implementation.schedulers import lr_at
 from zero_offload.workloads import ByteBatches, TinyGPT, lm_loss
 
 STEPS = 6
@@ -119,6 +120,8 @@ def test_the_nvme_tier_gives_each_group_its_own_settings(tmp_path, reference):
 
 
 TWO_RANKS = {
+    "stage 0": config(0),
+    "stage 1 offload, torch's Adam": offload(1, "torch"),
     "stage 2": config(2),
     "stage 3 offload, the C Adam in the pipeline": offload(3, "simd", overlap_offload=True),
 }
@@ -184,7 +187,7 @@ def _steps(engine, first: int, count: int) -> list[float]:
         loss = lm_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -276,3 +279,48 @@ def test_frozen_parameters_in_a_group_are_left_untrained():
     _steps(engine, 0, 1)
     assert torch.equal(model.ln_f.bias.detach().float(), before.float())
     engine.close()
+
+
+# -- the schedules move each group's lr as DeepSpeed's do ---------------------------------------------------
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        # WarmupLR works in absolute values: every group gets the schedule's lr, whatever its own.
+        ({"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 3e-3}}, lambda lr: 3e-3),
+        # WarmupCosineLR works in fractions of each group's own lr.
+        (
+            {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, "total_num_steps": 10}},
+            lambda lr: lr * lr_at("WarmupCosineLR", {"warmup_num_steps": 2, "total_num_steps": 10}, 5, 1.0),
+        ),
+    ],
+)
+def test_each_schedule_moves_each_groups_lr_as_deepspeeds_does(schedule, expected):
+    engine = _engine({**config(2), "scheduler": schedule})
+    _steps(engine, 0, 5)
+    assert engine.get_lr() == pytest.approx([expected(1e-3), expected(NO_DECAY["lr"])])
+    engine.close()
+
+
+def _save_on_two_ranks(rank, world_size, folder):
+    engine = _engine(offload(2, "simd"))
+    data = ByteBatches(fixed_corpus(), SEQ, seed=11)
+    for step in range(2):
+        x, y = data.micro_batch(step, BATCH // world_size, micro_step=0, rank=rank, world_size=world_size)
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    engine.save_checkpoint(folder)
+    engine.close()
+    return True
+
+
+def test_a_checkpoint_with_groups_saved_on_two_ranks_resumes_on_one(tmp_path):
+    """The units of a group are cut into other shards at another world size: the pieces find their way back."""
+    check(run_ranks(_save_on_two_ranks, 2, str(tmp_path)))
+    whole = _engine(offload(2, "simd"))
+    expected = _steps(whole, 0, 4)
+    whole.close()
+    resumed = _engine(offload(2, "simd"))
+    resumed.load_checkpoint(tmp_path)
+    got = _steps(resumed, 2, 2)
+    resumed.close()
+    assert got == pytest.approx(expected[2:], rel=1e-4)
