@@ -226,6 +226,23 @@ def test_a_forward_out_of_memory_names_the_micro_batch_and_checkpointing():
     engine.close()
 
 
+def test_an_out_of_memory_in_adams_own_temporaries_names_the_optimizer_offload(monkeypatch):
+    # A fixed loss scale: the step must run, not be skipped for an overflow.
+    config = {**_FP16, "fp16": {"enabled": True, "loss_scale": 1.0}}
+    engine = zo.initialize(_two_layers(), config, accelerator=EmulatedAccelerator())
+    engine.backward(engine(torch.ones(1, 256)).float().sum())
+
+    def runs_out(*args, **kwargs):  # as torch's fused Adam does when its intermediate buffers do not fit
+        _cuda_oom()
+
+    monkeypatch.setattr(engine.optimizer, "step", runs_out)
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        engine.step()
+    message = _hinted(err, "While allocating the optimizer step", '"offload_optimizer": {"device": "cpu"}')
+    assert "train_micro_batch_size_per_gpu" not in message
+    engine.close()
+
+
 class _RunsOutInBackward(torch.autograd.Function):
     """Identity forward; its backward fails the way CUDA does when autograd's own buffers do not fit."""
 

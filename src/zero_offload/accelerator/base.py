@@ -26,6 +26,8 @@ OFFLOAD_HINTS = {
     "gathered_parameters": 'lower "zero_optimization": {"stage3_prefetch_bucket_size": ...} (elements of '
     'weights gathered ahead of the layer that runs), or keep the shards on the host: "offload_param": '
     '{"device": "cpu"}',
+    "the optimizer step": "the step's fp32 gradients and Adam's temporaries are device memory until the step "
+    'runs on the host: "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}',
     "activations": 'lower "train_micro_batch_size_per_gpu" (raise "gradient_accumulation_steps" to keep the '
     'global batch), or recompute activations with "activation_checkpointing"',
 }

@@ -216,7 +216,9 @@ class Engine:
             "adam_seconds": 0.0,
         }
         # The clip factor, Adam, the new weights published, the schedule (optimizer_step.py).
-        skip = self.optimizer_step.step(self.global_steps, record, skip)
+        # An allocation of the states names its own setting; what else runs out here is the step's temporaries.
+        with HintOnOutOfMemory("the optimizer step"):
+            skip = self.optimizer_step.step(self.global_steps, record, skip)
         record.update(overflow=skip is not None, skipped=skip)
         self.skipped_steps += skip is not None
         diverged = self.skip_guard.after_step(
