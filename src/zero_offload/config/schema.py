@@ -139,9 +139,10 @@ class CpuAdamConfig:
     # Optimizer states on the device are always updated by torch's fused Adam (or the naive one, if chosen).
     impl: str = "simd"  # "simd" | "torch" | "naive"
     threads: int | None = None  # None: let the implementation choose
-    # The C kernel's loop: "widest" (the widest this CPU runs) or one by name, e.g. "scalar" to stand in for a
-    # CPU without SIMD (the same bytes, several times the time: `make bench`'s host-bound setting).
-    variant: str = "widest"  # "widest" | "scalar" | "avx2" | "avx512"
+    # The C kernel's loop: "fastest" (each one this CPU runs timed once, the fastest kept: tuning/variant_choice.py),
+    # "widest" (the widest this CPU runs) or one by name, e.g. "scalar" to stand in for a CPU without SIMD (the
+    # same bytes, several times the time: `make bench`'s host-bound setting).
+    variant: str = "fastest"  # "fastest" | "widest" | "scalar" | "avx2" | "avx512"
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ import torch
 from ..basics.adam import Adam
 from ..config import Config
 from ..tuning.build import CPUAdamUnavailable
-from ..tuning.cpu_adam import CPUAdam
+from ..tuning.cpu_adam import CPUAdam, default_threads, supported_variants
 from ..tuning.partial import SplitOptimizer
+from ..tuning.variant_choice import fastest_variant
 from .param_groups import ParamGroups
 
 
@@ -72,6 +73,14 @@ def host_adam_threads(config: Config) -> int | None:
     return threads
 
 
+def kernel_variant(configured: str, threads: int | None) -> str:
+    """The C kernel's loop for zero_offload.cpu_adam.variant: "fastest" is measured on this machine once
+    (tuning/variant_choice.py), "widest" is the kernel's own "auto", a name is itself."""
+    if configured == "fastest":
+        return fastest_variant(threads or default_threads(), supported_variants())
+    return "auto" if configured == "widest" else configured
+
+
 def simd_optimizer(config: Config, params: list, kwargs: dict):
     """The C CPU Adam (module 4), or None, with one warning, where no C compiler can build it."""
     opt, adam = config.optimizer, config.zero_offload.cpu_adam
@@ -81,7 +90,7 @@ def simd_optimizer(config: Config, params: list, kwargs: dict):
             adamw=opt.adamw,
             bias_correction=opt.bias_correction,
             threads=host_adam_threads(config),
-            variant="auto" if adam.variant == "widest" else adam.variant,
+            variant=kernel_variant(adam.variant, host_adam_threads(config)),
             **kwargs,
         )
     except CPUAdamUnavailable as err:

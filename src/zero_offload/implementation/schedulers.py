@@ -42,11 +42,6 @@ def _checked(kind: str, params: Mapping) -> dict:
     p = {**SCHEDULER_DEFAULTS[kind], **params}
     if "total_num_steps" in p and p["total_num_steps"] is None:
         raise ValueError(f"{kind} needs total_num_steps: the decay must know when training ends")
-    if kind == "WarmupCosineLR" and p["total_num_steps"] == _warmup_steps(p):
-        # DeepSpeed divides by total - warmup here and would crash on the first step after warmup.
-        raise ValueError(
-            "WarmupCosineLR: total_num_steps must differ from warmup_num_steps (which counts as at least 2)"
-        )
     return p
 
 
@@ -70,9 +65,11 @@ def _cosine_ratio(p: Mapping, it: int) -> float:
     if it < warmup:
         low = p["warmup_min_ratio"]
         return low + _warmup_fraction(p, it) * (1.0 - low)
-    # The cosine reaches its floor at it = total - 1. DeepSpeed does not clamp the angle past that
-    # point, so if training runs on beyond total_num_steps the lr climbs back up; we keep that.
-    angle = math.pi * (it - warmup + 1) / (total - warmup)
+    # The cosine reaches its floor at it = total - 1 and stays there if training runs on, as DeepSpeed's does
+    # since 0.19.8 (it clamps the progress to 1; before, the lr climbed back up past total_num_steps). With
+    # total_num_steps <= warmup there is no decay to walk: every step after warmup is at the floor.
+    progress = min(1.0, (it - warmup + 1) / max(1, total - warmup))
+    angle = math.pi * progress
     floor = p["cos_min_ratio"]
     return max(0.0, floor + (1.0 - floor) * ((1 + math.cos(angle)) / 2))
 

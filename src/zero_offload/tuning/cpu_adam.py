@@ -168,7 +168,7 @@ class CPUAdam(torch.optim.Optimizer):
         if variant != "auto" and variant not in supported_variants():
             raise ValueError(
                 f"this CPU cannot run the {variant!r} variant of the C Adam (it runs "
-                f"{', '.join(supported_variants())}); set zero_offload.cpu_adam.variant to one of them, or to 'widest'"
+                f"{', '.join(supported_variants())}); set zero_offload.cpu_adam.variant to one of them, or to 'fastest'"
             )
 
     def group_of(self, param: torch.Tensor) -> dict:

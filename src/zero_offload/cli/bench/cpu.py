@@ -21,9 +21,10 @@ from tqdm import tqdm
 from ...accelerator import EmulatedAccelerator
 from ...engine import initialize
 from ...tuning.build import CPUAdamUnavailable
-from ...tuning.cpu_adam import CPUAdam, dispatched_variant
+from ...tuning.cpu_adam import CPUAdam, dispatched_variant, supported_variants
 from ...tuning.cpuinfo import cpu_caches, cpu_model
 from ...tuning.perfmodel import Workload, cached_share, calibrate, plan
+from ...tuning.variant_choice import cached_choices, choice_key, fastest_variant
 
 # (width, depth): `depth` Linear layers of `width`, each one unit and one C call of the CPU step.
 MODEL_CASES = {"4.2M params in 16 tensors": (512, 16), "16.8M params in 4 tensors": (2048, 4)}
@@ -33,13 +34,23 @@ TOLERANCE = 0.25  # the claim: the prediction within 25% of the measured step
 def machine() -> dict:
     """The CPU, the variant our kernel dispatches on it (None without a C compiler) and its caches."""
     caches = cpu_caches()
+    fastest = {}
     try:
         variant = dispatched_variant()
+        # What "variant": "fastest" (the engine's default) runs here, at 1 and 2 threads, with the timings it
+        # chose from (tuning/variant_choice.py; measured once per machine, then read from the cache).
+        for threads in (1, 2):
+            chosen = fastest_variant(threads, supported_variants())
+            fastest[threads] = {
+                "variant": chosen,
+                "ms": cached_choices().get(choice_key(threads), {}).get("ms"),
+            }
     except CPUAdamUnavailable:
         variant = None
     return {
         "cpu": cpu_model(),
         "kernel_variant": variant,
+        "fastest_variant": fastest,
         "caches": asdict(caches),
         "caches_text": caches.describe(),
     }
@@ -47,9 +58,12 @@ def machine() -> dict:
 
 def _print_machine(about: dict) -> None:
     print(
-        f"CPU: {about['cpu']}; C Adam variant: {about['kernel_variant'] or 'none (no C compiler)'}; "
+        f"CPU: {about['cpu']}; C Adam variant: {about['kernel_variant'] or 'none (no C compiler)'} (the widest); "
         f"caches: {about['caches_text']}"
     )
+    for threads, entry in about.get("fastest_variant", {}).items():
+        timings = ", ".join(f"{v} {ms:.2f} ms" for v, ms in (entry["ms"] or {}).items())
+        print(f"  fastest at {threads} thread(s), the engine's default: {entry['variant']} ({timings})")
 
 
 def _print_waited(result: dict) -> None:

@@ -1,0 +1,119 @@
+"""Which loop of the C Adam `"variant": "fastest"` runs: each one this CPU supports, timed once, the fastest kept.
+
+Wider is not always faster. The step is bound by memory bandwidth, and on some CPUs (a Zen 5 VM measured 7.2 ms
+with AVX2 against 10.6 ms with AVX-512 on 10.8M parameters, one thread) the 512-bit loop loses: its clock drops,
+or its loads queue behind the same memory as the 256-bit one's. So the choice is measured, not assumed.
+
+Measured once per machine: the answer is cached in a file (beside the compiled kernel, `ZO_CACHE_DIR`) keyed by
+the CPU, the kernel's build and the thread count, and a file lock makes the first process measure while the
+others wait and read its answer. Every process and every rank of a machine thus runs the same loop, and the
+numbers of two runs do not differ by a timing accident. `"variant": "avx2"` (or any other) still forces one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .build import build, cache_dir
+from .cpuinfo import cpu_model
+
+SAMPLE = 1 << 22  # 4M elements: 112 MB a pass, far past the caches a smaller sample would flatter
+REPEATS = 3  # the best of three passes per variant: a busy moment slows one pass, not the minimum
+CACHE_FILE = "cpu_adam_variant.json"
+
+
+def choice_key(threads: int) -> str:
+    """What the choice depends on: the CPU, the kernel's build (its module name carries the source's hash),
+    and how many threads share the memory bandwidth."""
+    return f"{cpu_model()} | {build().__name__} | {threads} thread(s)"
+
+
+def time_variants(variants: list[str], threads: int) -> dict[str, float]:
+    """Milliseconds of one Adam pass over SAMPLE fp32 elements, for each variant: the best of REPEATS."""
+    from .cpu_adam import cpu_adam_update  # imports this module: late
+
+    param, grad, exp_avg, exp_avg_sq = (torch.rand(SAMPLE) for _ in range(4))
+    timings = {}
+    for variant in variants:
+        best = float("inf")
+        for step in range(1, REPEATS + 2):
+            start = time.perf_counter()
+            cpu_adam_update(
+                param, grad, exp_avg, exp_avg_sq, step=step, lr=1e-3, variant=variant, threads=threads
+            )
+            if step > 1:  # the first pass faults the pages in and warms the code: not counted
+                best = min(best, time.perf_counter() - start)
+        timings[variant] = best * 1e3
+    return timings
+
+
+def fastest_variant(
+    threads: int,
+    variants: list[str],
+    *,
+    measure: Callable[[list[str], int], dict[str, float]] = time_variants,
+    directory: Path | None = None,
+) -> str:
+    """The fastest of `variants` at `threads` threads on this machine: read from the cache, or measured (by
+    `measure`) and written there. A cache that cannot be read or written costs a measurement, never an error."""
+    path = (directory or cache_dir()) / CACHE_FILE
+    key = choice_key(threads)
+    with _locked(path):
+        cached = _read(path)
+        entry = cached.get(key)
+        if isinstance(entry, dict) and entry.get("variant") in variants:
+            return entry["variant"]
+        timings = measure(variants, threads)
+        chosen = min(timings, key=timings.get)
+        cached[key] = {"variant": chosen, "ms": {v: round(ms, 3) for v, ms in timings.items()}}
+        _write(path, cached)
+        return chosen
+
+
+def cached_choices(directory: Path | None = None) -> dict:
+    """Every choice made on this machine so far, with the timings it was made from (for `zo bench`)."""
+    return _read((directory or cache_dir()) / CACHE_FILE)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock beside `path`, so that one process measures while the others wait for its answer;
+    without a writable directory, no lock (and each process measures for itself)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_suffix(".lock"), "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or damaged: measure again
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write(path: Path, data: dict) -> None:
+    temporary = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        temporary.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(temporary, path)  # readers see the old file or the new one, never half of one
+    except OSError:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
