@@ -86,7 +86,7 @@ def main():
     if args.losses and engine.global_rank == 0:
         with open(args.losses, "w") as file:
             json.dump(losses, file)
-    engine.close()
+    engine.destroy()  # DeepSpeed's name; zo.initialize's scripts call it close()
 
 
 if __name__ == "__main__":

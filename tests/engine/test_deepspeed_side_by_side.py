@@ -113,6 +113,7 @@ def test_the_example_trains_with_the_same_losses_under_deepspeed_and_zero_offloa
 @needs_deepspeed
 def test_both_scripts_run_to_their_end(runs):
     # A DeepSpeed engine has DeepSpeed's methods only: a call of the example's that DeepSpeed lacks fails here
-    # (seen with deepspeed 0.19.8: the example's last call, engine.close(); DeepSpeed's teardown is destroy()).
+    # (seen with deepspeed 0.19.8 when the example ended with engine.close(): DeepSpeed's teardown is destroy(),
+    # which the engine has too).
     for name, run in runs.items():
         assert run["returncode"] == 0, f"{name} exited with {run['returncode']}:\n{run['output']}"

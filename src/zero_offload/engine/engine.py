@@ -262,6 +262,10 @@ class Engine:
             if self._joined_group is not None:  # the group goes with the last engine that holds it
                 self._joined_group.release()
 
+    def destroy(self) -> None:
+        """DeepSpeed's name for close(): a DeepSpeed script that ends with engine.destroy() ends the same here."""
+        self.close()
+
     # -- checkpoints (implementation/checkpoint.py) ------------------------------------------------------------------
     def save_checkpoint(
         self, path, tag: str | None = None, client_state: dict | None = None, save_latest=True
