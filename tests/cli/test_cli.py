@@ -25,6 +25,14 @@ def test_estimate_with_offload(capsys):
     assert "device 26.0 GB, host 208.0 GB" in out
 
 
+def test_estimate_with_int8_moments_counts_a_byte_each_and_the_block_scales(capsys):
+    assert main(["estimate", "13B", "--stage", "2", "--offload-optimizer", "cpu", "--moments", "int8"]) == 0
+    out = capsys.readouterr().out
+    # fp32 gradients 4 + master 4 + m and v 1 each + a 4-byte scale per 2048 of each: 130.1 GB, not 208.0.
+    host = 13e9 * 10 + 2 * 4 * -(-13e9 // 2048)
+    assert "int8 moments" in out and f"host {host / 1e9:.1f} GB" in out
+
+
 def test_estimate_rejects_an_impossible_combination(capsys):
     assert main(["estimate", "1B", "--stage", "2", "--offload-param", "cpu"]) == 2
     assert "stage 3" in capsys.readouterr().err

@@ -57,6 +57,20 @@ def test_ledger_measures_a_plain_pytorch_training_setup():
     assert measured.bytes == estimate_model_states(model.cfg.num_params(), precision="fp32").bytes
 
 
+@pytest.mark.parametrize(
+    ("moments", "per_moment"), [("fp32", 4 * 1000), ("bf16", 2 * 1000), ("int8", 1000 + 4)]
+)
+def test_moments_below_fp32_shrink_exp_avg_and_exp_avg_sq_only(moments, per_moment):
+    base = estimate_model_states(2000, stage=2, world_size=2, offload_optimizer="cpu")
+    low = estimate_model_states(2000, stage=2, world_size=2, offload_optimizer="cpu", moments=moments)
+    for state in ("exp_avg", "exp_avg_sq"):  # a shard of 1000: one block of 2048, one scale
+        assert low.bytes[state] == {"device": 0, "host": per_moment, "nvme": 0}
+    for state in ("parameters", "gradients", "master_weights"):
+        assert low.bytes[state] == base.bytes[state]
+    with pytest.raises(ValueError, match="moments"):
+        estimate_model_states(10, moments="int4")
+
+
 def test_estimate_rejects_impossible_combinations():
     with pytest.raises(ValueError, match="stage 3"):
         estimate_model_states(10, stage=2, offload_param="cpu")

@@ -37,6 +37,9 @@ from ..units import format_bytes
 TIERS = ("device", "host", "nvme")
 STATES = ("parameters", "gradients", "master_weights", "exp_avg", "exp_avg_sq")
 PRECISIONS = ("fp16", "bf16", "fp32")
+# Adam's m and v below fp32: bf16 (2 bytes), or 8 bits in blocks of QUANT_BLOCK elements with an fp32 scale each.
+MOMENT_PRECISIONS = ("fp32", "bf16", "int8")
+QUANT_BLOCK = 2048
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
@@ -94,6 +97,7 @@ def estimate_model_states(
     offload_optimizer: str = "none",
     offload_param: str = "none",
     precision: str = "fp16",
+    moments: str = "fp32",
 ) -> ModelStateBytes:
     """Bytes of model states on one rank, per tier, for Adam with the given ZeRO stage and offload choices.
 
@@ -105,11 +109,13 @@ def estimate_model_states(
     offload_optimizer ('cpu' or 'nvme'): master/exp_avg/exp_avg_sq go to that tier; the gradient partition goes to
         the host in fp32 (4 bytes); the device keeps no gradient between steps.
     offload_param ('cpu' or 'nvme', stage 3 only): the weight shard goes to that tier.
+    moments ('fp32', 'bf16' or 'int8'): the precision of exp_avg and exp_avg_sq (`moment_bytes`).
     """
     _check_choice("precision", precision, PRECISIONS)
     _check_choice("stage", stage, (0, 1, 2, 3))
     _check_choice("offload_optimizer", offload_optimizer, OFFLOAD_DEVICES)
     _check_choice("offload_param", offload_param, OFFLOAD_DEVICES)
+    _check_choice("moments", moments, MOMENT_PRECISIONS)
     if not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be a non-negative int, got {num_params!r}")
     if not isinstance(world_size, int) or world_size < 1:
@@ -129,7 +135,22 @@ def estimate_model_states(
     # Offloaded states go to the "host" tier for 'cpu' and the "nvme" tier for 'nvme'; the offloaded gradient
     # partition is fp32 on the host. Record each with result.add(state, tier, nbytes).
     raise NotImplementedError("Lab 1.3: bytes of each model state in each tier")
+    if moments != "fp32":  # Lab 1.3 counts fp32 moments; below fp32 each keeps fewer bytes, where they are
+        partitioned = math.ceil(num_params / world_size) if stage >= 1 else num_params
+        for state in ("exp_avg", "exp_avg_sq"):
+            for tier, nbytes in result.bytes[state].items():
+                if nbytes:
+                    result.bytes[state][tier] = moment_bytes(partitioned, moments)
     return result
+
+
+def moment_bytes(numel: int, precision: str = "fp32") -> int:
+    """Bytes of one Adam moment of `numel` elements: 4 each in fp32, 2 in bf16; in int8 1 each plus a 4-byte
+    scale per block of QUANT_BLOCK (2048) elements, 1.002 bytes an element."""
+    _check_choice("moments", precision, MOMENT_PRECISIONS)
+    if precision == "int8":
+        return numel + 4 * math.ceil(numel / QUANT_BLOCK)
+    return {"fp32": 4, "bf16": 2}[precision] * numel
 
 
 def pinned_block_bytes(nbytes: int) -> int:

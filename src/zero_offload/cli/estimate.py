@@ -17,6 +17,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"])
     parser.add_argument("--offload-param", default="none", choices=["none", "cpu", "nvme"])
     parser.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"])
+    parser.add_argument(
+        "--moments",
+        default="fp32",
+        choices=["fp32", "bf16", "int8"],
+        help="precision of Adam's m and v: fp32 (4 bytes each), bf16 (2), int8 (1, a scale per 2048)",
+    )
 
 
 def run(args) -> int:
@@ -30,13 +36,15 @@ def run(args) -> int:
             offload_optimizer=args.offload_optimizer,
             offload_param=args.offload_param,
             precision=args.precision,
+            moments=args.moments,
         )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(
         f"{args.params:,} parameters, {args.precision}, ZeRO stage {args.stage}, {args.world_size} rank(s), "
-        f"offload_optimizer={args.offload_optimizer}, offload_param={args.offload_param} — bytes per rank:"
+        f"offload_optimizer={args.offload_optimizer}, offload_param={args.offload_param}, "
+        f"{args.moments} moments — bytes per rank:"
     )
     print(est.table())
     print(
