@@ -253,7 +253,7 @@ def read_zero(s: Section) -> ZeroConfig:
                 "partitioned), so there is no parameter shard to offload: parameter offload is a ZeRO-3 feature "
                 '(ZeRO-Infinity). Fix: set "stage": 3, or drop offload_param and keep offload_optimizer with '
                 "stage 2 (ZeRO-Offload). The course introduction's example config pairs offload_param with "
-                "stage 2; DeepSpeed (v0.19.6) accepts it and silently ignores offload_param below stage 3, zero_offload "
+                "stage 2; DeepSpeed (at v0.19.5-27, edaa722) accepts it and silently ignores offload_param below stage 3, zero_offload "
                 "rejects it."
             ),
         )
