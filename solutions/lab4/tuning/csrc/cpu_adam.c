@@ -8,6 +8,8 @@
  *     out = w rounded to fp16 or bf16 (nearest even), if an output is given
  *     row_squares[r] = sum of (g * grad_scale)^2 over row r (4096 elements), if asked: the norm without its own pass
  * Each element is read once and written once: 4 (w) + 2..4 (g) + 4 (m) + 4 (v) read, 4 + 4 + 4 + 2 written.
+ * m and v may instead be stored in bf16 (2 + 2 bytes) or as 8-bit codes with a scale per block of 2048 (1 + 1):
+ * see "moments stored in bf16 or 8 bits" below; the arithmetic stays fp32, and so do the weights.
  *
  * Variants: a portable scalar loop, and on x86-64 an AVX2 + FMA + F16C loop (8 floats a step) and an AVX-512
  * loop (16 floats a step), chosen at run time by what the CPU reports. Per-function target attributes keep the
@@ -183,10 +185,15 @@ static float absmax_scalar(const float *x, int64_t n) {
     return largest;
 }
 
-/* One code: x / scale x top, rounded to nearest even; the clamp only matters for a NaN (fmaxf gives `low`),
- * which no code can stand for, and keeps the conversion defined. */
+/* One code: x / scale x top, rounded to nearest even. Adding and taking away 1.5 x 2^23 rounds to nearest even
+ * any |r| < 2^22 (here |r| <= 255), inline, where nearbyintf would be a library call per element. The clamp
+ * only matters for a NaN (the comparison is false: `low`, as the vector max gives), which no code can stand
+ * for, and keeps the conversion defined. */
 static float code_of(float x, float scale, float low, float top) {
-    return fminf(fmaxf(nearbyintf(x / scale * top), low), top);
+    float r = x / scale * top;
+    r = (r + 12582912.0f) - 12582912.0f;
+    r = r > low ? r : low;
+    return r < top ? r : top;
 }
 
 static void codes_scalar(const float *src, int is_signed, float scale, void *codes, int64_t begin, int64_t n) {
