@@ -52,7 +52,7 @@ def _per_element(scales: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _block_absmax(x: torch.Tensor) -> torch.Tensor:
-    return _per_element(sp._by_block(x).abs().amax(dim=1), x.numel())
+    return _per_element(sp.as_blocks(x).abs().amax(dim=1), x.numel())
 
 
 def _assert_within(got, want, allowed, what):

@@ -65,7 +65,7 @@ def bf16_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------- int8
-def _by_block(x: torch.Tensor) -> torch.Tensor:
+def as_blocks(x: torch.Tensor) -> torch.Tensor:
     """x as rows of BLOCK elements, the last one padded with zeros (they change no block's largest value)."""
     padded = torch.zeros(blocks(x.numel()) * BLOCK, dtype=torch.float32)
     padded[: x.numel()] = x
@@ -75,7 +75,7 @@ def _by_block(x: torch.Tensor) -> torch.Tensor:
 def quantize_blocks(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 `x` -> (codes, scales): per block, scale = the largest |x| and code = x / scale x top rounded to
     nearest even, top 127 (`signed`, int8 codes) or 255 (x >= 0, uint8 codes). A block of zeros: scale 0."""
-    rows = _by_block(x.flatten())
+    rows = as_blocks(x.flatten())
     scales = rows.abs().amax(dim=1)
     top = M_TOP if signed else V_TOP
     safe = torch.where(scales == 0, torch.ones_like(scales), scales)[:, None]

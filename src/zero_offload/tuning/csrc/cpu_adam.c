@@ -8,8 +8,6 @@
  *     out = w rounded to fp16 or bf16 (nearest even), if an output is given
  *     row_squares[r] = sum of (g * grad_scale)^2 over row r (4096 elements), if asked: the norm without its own pass
  * Each element is read once and written once: 4 (w) + 2..4 (g) + 4 (m) + 4 (v) read, 4 + 4 + 4 + 2 written.
- * m and v may instead be stored in bf16 (2 + 2 bytes) or as 8-bit codes with a scale per block of 2048 (1 + 1):
- * see "moments stored in bf16 or 8 bits" below; the arithmetic stays fp32, and so do the weights.
  *
  * Variants: a portable scalar loop, and on x86-64 an AVX2 + FMA + F16C loop (8 floats a step) and an AVX-512
  * loop (16 floats a step), chosen at run time by what the CPU reports. Per-function target attributes keep the
@@ -129,137 +127,6 @@ static float squares_scalar(const zo_adam_args *a, int64_t begin, int64_t end) {
         sum += g * g;
     }
     return sum;
-}
-
-/* One update of elements [begin, end), by one of the variants. */
-typedef void (*zo_kernel)(const zo_adam_args *, int64_t, int64_t);
-
-/* ---------------------------------------------------------------------- moments stored in bf16 or 8 bits */
-/* A narrow state is never updated where it lies. Block by block (ZO_STATE_BLOCK elements, counted from element
- * 0), m and v are decoded into fp32 scratch on the stack, the variant's own fp32 loop above updates the block
- * there, and the new moments are encoded back. The scratch (16 KB) stays in L1, so memory sees only the narrow
- * bytes, and the Adam arithmetic is the fp32 path's, operation for operation. Blocks because an int8 code needs
- * the block's new largest value, known only once the whole block is updated.
- *
- * int8 codes are linear in m (signed, 127 a side) and in sqrt(v) (unsigned, 0..255), not in v: sqrt(v) is on
- * the scale of |m|, so both codes cover the same 1:127 (1:255) range of gradient sizes, where codes of v itself
- * would round every v below 1/510 of the block's largest to zero, and with it the update's denominator to eps.
- * A dynamic (logarithmic) map would reach further down, at the price of a table look-up per element. The
- * stored scale is the largest value itself, not largest / 127: its reciprocal could overflow for a denormal
- * block and largest / 127 loses bits there; a code is x / largest x 127, rounded to nearest even. */
-typedef struct {
-    zo_kernel adam; /* the fp32 update of one block, in the scratch */
-    void (*from_bf16)(const uint16_t *src, float *dst, int64_t n);
-    void (*to_bf16)(const float *src, uint16_t *dst, int64_t n);
-    /* codes (int8_t when is_signed, else uint8_t codes of sqrt v) -> fp32 m (v) */
-    void (*dequantize)(const void *codes, int is_signed, float scale, float *dst, int64_t n);
-    /* fp32 m (v) -> codes; returns the new scale. Takes sqrt of v in place: the scratch is dead afterwards. */
-    float (*quantize)(float *src, int is_signed, void *codes, int64_t n);
-} zo_codecs;
-
-static const float ZO_M_STEP = 1.0f / 127.0f, ZO_V_STEP = 1.0f / 255.0f; /* a code's share of the scale */
-
-static void from_bf16_scalar(const uint16_t *src, float *dst, int64_t n) {
-    for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_float(src[i]);
-}
-
-static void to_bf16_scalar(const float *src, uint16_t *dst, int64_t n) {
-    for (int64_t i = 0; i < n; i++) dst[i] = float_to_bf16(src[i]);
-}
-
-static void dequantize_scalar(const void *codes, int is_signed, float scale, float *dst, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        if (is_signed) {
-            dst[i] = (float)((const int8_t *)codes)[i] * ZO_M_STEP * scale;
-        } else {
-            float root = (float)((const uint8_t *)codes)[i] * ZO_V_STEP * scale;
-            dst[i] = root * root;
-        }
-    }
-}
-
-/* Largest |x|; a NaN is passed over (the comparison is false), as the vector max below does. */
-static float absmax_scalar(const float *x, int64_t n) {
-    float largest = 0.0f;
-    for (int64_t i = 0; i < n; i++) largest = fabsf(x[i]) > largest ? fabsf(x[i]) : largest;
-    return largest;
-}
-
-/* One code: x / scale x top, rounded to nearest even. Adding and taking away 1.5 x 2^23 rounds to nearest even
- * any |r| < 2^22 (here |r| <= 255), inline, where nearbyintf would be a library call per element. The clamp
- * only matters for a NaN (the comparison is false: `low`, as the vector max gives), which no code can stand
- * for, and keeps the conversion defined. */
-static float code_of(float x, float scale, float low, float top) {
-    float r = x / scale * top;
-    r = (r + 12582912.0f) - 12582912.0f;
-    r = r > low ? r : low;
-    return r < top ? r : top;
-}
-
-static void codes_scalar(const float *src, int is_signed, float scale, void *codes, int64_t begin, int64_t n) {
-    for (int64_t i = begin; i < n; i++) {
-        if (is_signed) ((int8_t *)codes)[i] = (int8_t)code_of(src[i], scale, -127.0f, 127.0f);
-        else ((uint8_t *)codes)[i] = (uint8_t)code_of(src[i], scale, 0.0f, 255.0f);
-    }
-}
-
-static void zero_codes(void *codes, int64_t n) {
-    for (int64_t i = 0; i < n; i++) ((uint8_t *)codes)[i] = 0;
-}
-
-static float quantize_scalar(float *src, int is_signed, void *codes, int64_t n) {
-    if (!is_signed)
-        for (int64_t i = 0; i < n; i++) src[i] = sqrtf(src[i]);
-    float scale = absmax_scalar(src, n);
-    if (scale == 0.0f) { /* a block of zeros: every code 0, and no 0 / 0 */
-        zero_codes(codes, n);
-        return 0.0f;
-    }
-    codes_scalar(src, is_signed, scale, codes, 0, n);
-    return scale;
-}
-
-static void adam_narrow(const zo_adam_args *a, int64_t begin, int64_t end, const zo_codecs *c) {
-    float m[ZO_STATE_BLOCK], v[ZO_STATE_BLOCK];
-    const int64_t grad_size = a->grad_dtype == ZO_F32 ? 4 : 2, out_size = a->out_dtype == ZO_F32 ? 4 : 2;
-    const int int8 = a->state_dtype == ZO_STATE_INT8;
-    zo_adam_args block = *a; /* the same update, pointed at one block and at the scratch */
-    block.row_squares = NULL;
-    block.exp_avg = m;
-    block.exp_avg_sq = v;
-    block.state_dtype = ZO_STATE_F32;
-    /* Thread chunks start on a block (run_threads), so each int8 block is coded whole by one thread. */
-    for (int64_t first = begin; first < end;) {
-        int64_t index = first / ZO_STATE_BLOCK, last = (index + 1) * ZO_STATE_BLOCK;
-        last = last < end ? last : end;
-        int64_t n = last - first;
-        if (int8) {
-            c->dequantize((const int8_t *)a->exp_avg_packed + first, 1, a->exp_avg_scale[index], m, n);
-            c->dequantize((const uint8_t *)a->exp_avg_sq_packed + first, 0, a->exp_avg_sq_scale[index], v, n);
-        } else {
-            c->from_bf16((const uint16_t *)a->exp_avg_packed + first, m, n);
-            c->from_bf16((const uint16_t *)a->exp_avg_sq_packed + first, v, n);
-        }
-        block.param = a->param + first;
-        block.grad = (const char *)a->grad + first * grad_size;
-        block.out = a->out != NULL ? (char *)a->out + first * out_size : NULL;
-        block.n = n;
-        c->adam(&block, 0, n);
-        if (int8) {
-            a->exp_avg_scale[index] = c->quantize(m, 1, (int8_t *)a->exp_avg_packed + first, n);
-            a->exp_avg_sq_scale[index] = c->quantize(v, 0, (uint8_t *)a->exp_avg_sq_packed + first, n);
-        } else {
-            c->to_bf16(m, (uint16_t *)a->exp_avg_packed + first, n);
-            c->to_bf16(v, (uint16_t *)a->exp_avg_sq_packed + first, n);
-        }
-        first = last;
-    }
-}
-
-static const zo_codecs codecs_scalar = {adam_scalar, from_bf16_scalar, to_bf16_scalar, dequantize_scalar,
-                                        quantize_scalar};
-static void narrow_scalar(const zo_adam_args *a, int64_t begin, int64_t end) {
-    adam_narrow(a, begin, end, &codecs_scalar);
 }
 
 /* ------------------------------------------------------------------------------------- AVX2 + FMA */
@@ -417,6 +284,152 @@ ZO_AVX512 static void adam_avx512(const zo_adam_args *a, int64_t begin, int64_t 
     adam_avx2(a, i, end); /* up to 15 left: 8 at a time, then the scalar tail */
 }
 
+static int cpu_has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+static int cpu_has_avx512(void) { return cpu_has_avx2() && __builtin_cpu_supports("avx512f"); }
+#else
+static void adam_avx2(const zo_adam_args *a, int64_t begin, int64_t end) { adam_scalar(a, begin, end); }
+static float squares_avx2(const zo_adam_args *a, int64_t begin, int64_t end) { return squares_scalar(a, begin, end); }
+static void adam_avx512(const zo_adam_args *a, int64_t begin, int64_t end) { adam_scalar(a, begin, end); }
+static int cpu_has_avx2(void) { return 0; }
+static int cpu_has_avx512(void) { return 0; }
+#endif
+
+/* ---------------------------------------------------------------------- moments stored in bf16 or 8 bits */
+/* A narrow state is never updated where it lies. Block by block (ZO_STATE_BLOCK elements, counted from element
+ * 0), m and v are decoded into fp32 scratch on the stack, the variant's own fp32 loop above updates the block
+ * there, and the new moments are encoded back. The scratch (16 KB) stays in L1, so memory sees only the narrow
+ * bytes, and the Adam arithmetic is the fp32 path's, operation for operation. Blocks because an int8 code needs
+ * the block's new largest value, known only once the whole block is updated.
+ *
+ * int8 codes are linear in m (signed, 127 a side) and in sqrt(v) (unsigned, 0..255), not in v: sqrt(v) is on
+ * the scale of |m|, so both codes cover the same 1:127 (1:255) range of gradient sizes, where codes of v itself
+ * would round every v below 1/510 of the block's largest to zero, and with it the update's denominator to eps.
+ * A dynamic (logarithmic) map would reach further down, at the price of a table look-up per element. The
+ * stored scale is the largest value itself, not largest / 127: its reciprocal could overflow for a denormal
+ * block and largest / 127 loses bits there; a code is x / largest x 127, rounded to nearest even. */
+
+/* One update of elements [begin, end), by one of the variants: here of one block in the scratch. */
+typedef void (*zo_kernel)(const zo_adam_args *, int64_t, int64_t);
+
+typedef struct {
+    zo_kernel adam; /* the fp32 update of one block, in the scratch */
+    void (*from_bf16)(const uint16_t *src, float *dst, int64_t n);
+    void (*to_bf16)(const float *src, uint16_t *dst, int64_t n);
+    /* codes (int8_t when is_signed, else uint8_t codes of sqrt v) -> fp32 m (v) */
+    void (*dequantize)(const void *codes, int is_signed, float scale, float *dst, int64_t n);
+    /* fp32 m (v) -> codes; returns the new scale. Takes sqrt of v in place: the scratch is dead afterwards. */
+    float (*quantize)(float *src, int is_signed, void *codes, int64_t n);
+} zo_codecs;
+
+static const float ZO_M_STEP = 1.0f / 127.0f, ZO_V_STEP = 1.0f / 255.0f; /* a code's share of the scale */
+
+static void from_bf16_scalar(const uint16_t *src, float *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_float(src[i]);
+}
+
+static void to_bf16_scalar(const float *src, uint16_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = float_to_bf16(src[i]);
+}
+
+static void dequantize_scalar(const void *codes, int is_signed, float scale, float *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        if (is_signed) {
+            dst[i] = (float)((const int8_t *)codes)[i] * ZO_M_STEP * scale;
+        } else {
+            float root = (float)((const uint8_t *)codes)[i] * ZO_V_STEP * scale;
+            dst[i] = root * root;
+        }
+    }
+}
+
+/* Largest |x|; a NaN is passed over (the comparison is false), as the vector max below does. */
+static float absmax_scalar(const float *x, int64_t n) {
+    float largest = 0.0f;
+    for (int64_t i = 0; i < n; i++) largest = fabsf(x[i]) > largest ? fabsf(x[i]) : largest;
+    return largest;
+}
+
+/* One code: x / scale x top, rounded to nearest even. Adding and taking away 1.5 x 2^23 rounds to nearest even
+ * any |r| < 2^22 (here |r| <= 255), inline, where nearbyintf would be a library call per element. The clamp
+ * only matters for a NaN (the comparison is false: `low`, as the vector max gives), which no code can stand
+ * for, and keeps the conversion defined. */
+static float code_of(float x, float scale, float low, float top) {
+    float r = x / scale * top;
+    r = (r + 12582912.0f) - 12582912.0f;
+    r = r > low ? r : low;
+    return r < top ? r : top;
+}
+
+static void codes_scalar(const float *src, int is_signed, float scale, void *codes, int64_t begin, int64_t n) {
+    for (int64_t i = begin; i < n; i++) {
+        if (is_signed) ((int8_t *)codes)[i] = (int8_t)code_of(src[i], scale, -127.0f, 127.0f);
+        else ((uint8_t *)codes)[i] = (uint8_t)code_of(src[i], scale, 0.0f, 255.0f);
+    }
+}
+
+static void zero_codes(void *codes, int64_t n) {
+    for (int64_t i = 0; i < n; i++) ((uint8_t *)codes)[i] = 0;
+}
+
+static float quantize_scalar(float *src, int is_signed, void *codes, int64_t n) {
+    if (!is_signed)
+        for (int64_t i = 0; i < n; i++) src[i] = sqrtf(src[i]);
+    float scale = absmax_scalar(src, n);
+    if (scale == 0.0f) { /* a block of zeros: every code 0, and no 0 / 0 */
+        zero_codes(codes, n);
+        return 0.0f;
+    }
+    codes_scalar(src, is_signed, scale, codes, 0, n);
+    return scale;
+}
+
+static void adam_narrow(const zo_adam_args *a, int64_t begin, int64_t end, const zo_codecs *c) {
+    float m[ZO_STATE_BLOCK], v[ZO_STATE_BLOCK];
+    const int64_t grad_size = a->grad_dtype == ZO_F32 ? 4 : 2, out_size = a->out_dtype == ZO_F32 ? 4 : 2;
+    const int int8 = a->state_dtype == ZO_STATE_INT8;
+    zo_adam_args block = *a; /* the same update, pointed at one block and at the scratch */
+    block.row_squares = NULL;
+    block.exp_avg = m;
+    block.exp_avg_sq = v;
+    block.state_dtype = ZO_STATE_F32;
+    /* Thread chunks start on a block (run_threads), so each int8 block is coded whole by one thread. */
+    for (int64_t first = begin; first < end;) {
+        int64_t index = first / ZO_STATE_BLOCK, last = (index + 1) * ZO_STATE_BLOCK;
+        last = last < end ? last : end;
+        int64_t n = last - first;
+        if (int8) {
+            c->dequantize((const int8_t *)a->exp_avg_packed + first, 1, a->exp_avg_scale[index], m, n);
+            c->dequantize((const uint8_t *)a->exp_avg_sq_packed + first, 0, a->exp_avg_sq_scale[index], v, n);
+        } else {
+            c->from_bf16((const uint16_t *)a->exp_avg_packed + first, m, n);
+            c->from_bf16((const uint16_t *)a->exp_avg_sq_packed + first, v, n);
+        }
+        block.param = a->param + first;
+        block.grad = (const char *)a->grad + first * grad_size;
+        block.out = a->out != NULL ? (char *)a->out + first * out_size : NULL;
+        block.n = n;
+        c->adam(&block, 0, n);
+        if (int8) {
+            a->exp_avg_scale[index] = c->quantize(m, 1, (int8_t *)a->exp_avg_packed + first, n);
+            a->exp_avg_sq_scale[index] = c->quantize(v, 0, (uint8_t *)a->exp_avg_sq_packed + first, n);
+        } else {
+            c->to_bf16(m, (uint16_t *)a->exp_avg_packed + first, n);
+            c->to_bf16(v, (uint16_t *)a->exp_avg_sq_packed + first, n);
+        }
+        first = last;
+    }
+}
+
+static const zo_codecs codecs_scalar = {adam_scalar, from_bf16_scalar, to_bf16_scalar, dequantize_scalar,
+                                        quantize_scalar};
+static void narrow_scalar(const zo_adam_args *a, int64_t begin, int64_t end) {
+    adam_narrow(a, begin, end, &codecs_scalar);
+}
+
+#if defined(__x86_64__) || defined(_M_X64)
 /* The codecs 8 (16) at a time; the few elements after the last full vector go to the scalar codecs, which do
  * the same operations (no fused ones here), so every variant codes a given block of fp32 moments alike. */
 ZO_AVX2 static void from_bf16_avx2(const uint16_t *src, float *dst, int64_t n) {
@@ -545,20 +558,9 @@ static const zo_codecs codecs_avx512 = {adam_avx512, from_bf16_avx512, to_bf16_a
 static void narrow_avx512(const zo_adam_args *a, int64_t begin, int64_t end) {
     adam_narrow(a, begin, end, &codecs_avx512);
 }
-
-static int cpu_has_avx2(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-static int cpu_has_avx512(void) { return cpu_has_avx2() && __builtin_cpu_supports("avx512f"); }
 #else
-static void adam_avx2(const zo_adam_args *a, int64_t begin, int64_t end) { adam_scalar(a, begin, end); }
-static float squares_avx2(const zo_adam_args *a, int64_t begin, int64_t end) { return squares_scalar(a, begin, end); }
-static void adam_avx512(const zo_adam_args *a, int64_t begin, int64_t end) { adam_scalar(a, begin, end); }
 static void narrow_avx2(const zo_adam_args *a, int64_t begin, int64_t end) { narrow_scalar(a, begin, end); }
 static void narrow_avx512(const zo_adam_args *a, int64_t begin, int64_t end) { narrow_scalar(a, begin, end); }
-static int cpu_has_avx2(void) { return 0; }
-static int cpu_has_avx512(void) { return 0; }
 #endif
 
 /* ----------------------------------------------------------------------------------- dispatch, threads */
