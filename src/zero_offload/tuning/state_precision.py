@@ -7,8 +7,8 @@ readable code.
   int8  m as signed codes, v as unsigned codes of sqrt(v), one byte each, plus one fp32 scale per block of
         BLOCK elements and per moment: 2 bytes and 1/256 of a byte a parameter.
 
-An int8 block's scale is its largest |x| (the value the top code stands for), and a code is x / scale x 127
-(255), rounded to nearest even. sqrt(v) rather than v: it is on the scale of |m|, so its codes span the same
+An int8 block's scale is its largest |x| (the value the top code stands for), and a code is x x (127 / scale)
+(255 for v), rounded to nearest even; x / scale x 127 where 127 / scale overflows fp32 (scale below ~1e-36). sqrt(v) rather than v: it is on the scale of |m|, so its codes span the same
 range of gradient sizes as m's; codes of v itself would set every v below 1/510 of the block's largest to zero,
 and the update's denominator to eps. The master weights stay fp32: only the moments are narrow.
 
@@ -73,13 +73,16 @@ def as_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_blocks(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 `x` -> (codes, scales): per block, scale = the largest |x| and code = x / scale x top rounded to
-    nearest even, top 127 (`signed`, int8 codes) or 255 (x >= 0, uint8 codes). A block of zeros: scale 0."""
+    """fp32 `x` -> (codes, scales): per block, scale = the largest |x| and code = x x (top / scale) rounded to
+    nearest even, top 127 (`signed`, int8 codes) or 255 (x >= 0, uint8 codes); x / scale x top where
+    top / scale is infinite in fp32. A block of zeros: scale 0, codes 0."""
     rows = as_blocks(x.flatten())
     scales = rows.abs().amax(dim=1)
     top = M_TOP if signed else V_TOP
-    safe = torch.where(scales == 0, torch.ones_like(scales), scales)[:, None]
-    codes = torch.where(scales[:, None] == 0, 0.0, torch.round(divide(rows, safe.expand_as(rows)) * top))
+    safe = torch.where(scales == 0, torch.ones_like(scales), scales)[:, None].expand_as(rows)
+    times = divide(torch.full_like(rows, top), safe)
+    scaled = torch.where(times.isinf(), divide(rows, safe) * top, rows * times)
+    codes = torch.where(scales[:, None] == 0, 0.0, torch.round(scaled))
     codes = codes.flatten()[: x.numel()]
     return codes.to(torch.int8 if signed else torch.uint8), scales
 

@@ -308,8 +308,9 @@ static int cpu_has_avx512(void) { return 0; }
  * the scale of |m|, so both codes cover the same 1:127 (1:255) range of gradient sizes, where codes of v itself
  * would round every v below 1/510 of the block's largest to zero, and with it the update's denominator to eps.
  * A dynamic (logarithmic) map would reach further down, at the price of a table look-up per element. The
- * stored scale is the largest value itself, not largest / 127: its reciprocal could overflow for a denormal
- * block and largest / 127 loses bits there; a code is x / largest x 127, rounded to nearest even. */
+ * stored scale is the largest value itself, not largest / 127, which loses bits in a denormal block. A code is
+ * x x (127 / largest), rounded to nearest even: one division a block; where 127 / largest is too large for
+ * fp32 (a block below ~1e-36), x / largest x 127 instead. */
 
 /* One update of elements [begin, end), by one of the variants: here of one block in the scratch. */
 typedef void (*zo_kernel)(const zo_adam_args *, int64_t, int64_t);
@@ -352,21 +353,22 @@ static float absmax_scalar(const float *x, int64_t n) {
     return largest;
 }
 
-/* One code: x / scale x top, rounded to nearest even. Adding and taking away 1.5 x 2^23 rounds to nearest even
- * any |r| < 2^22 (here |r| <= 255), inline, where nearbyintf would be a library call per element. The clamp
- * only matters for a NaN (the comparison is false: `low`, as the vector max gives), which no code can stand
- * for, and keeps the conversion defined. */
-static float code_of(float x, float scale, float low, float top) {
-    float r = x / scale * top;
+/* One code: x x times (top / scale), or x / scale x top where times is infinite, rounded to nearest even.
+ * Adding and taking away 1.5 x 2^23 rounds to nearest even any |r| < 2^22 (here |r| <= 255), inline, where
+ * nearbyintf would be a library call per element. The clamp only matters for a NaN (the comparison is false:
+ * `low`, as the vector max gives), which no code can stand for, and keeps the conversion defined. */
+static float code_of(float x, float scale, float times, float low, float top) {
+    float r = isinf(times) ? x / scale * top : x * times;
     r = (r + 12582912.0f) - 12582912.0f;
     r = r > low ? r : low;
     return r < top ? r : top;
 }
 
 static void codes_scalar(const float *src, int is_signed, float scale, void *codes, int64_t begin, int64_t n) {
+    const float times = (is_signed ? 127.0f : 255.0f) / scale;
     for (int64_t i = begin; i < n; i++) {
-        if (is_signed) ((int8_t *)codes)[i] = (int8_t)code_of(src[i], scale, -127.0f, 127.0f);
-        else ((uint8_t *)codes)[i] = (uint8_t)code_of(src[i], scale, 0.0f, 255.0f);
+        if (is_signed) ((int8_t *)codes)[i] = (int8_t)code_of(src[i], scale, times, -127.0f, 127.0f);
+        else ((uint8_t *)codes)[i] = (uint8_t)code_of(src[i], scale, times, 0.0f, 255.0f);
     }
 }
 
@@ -477,10 +479,11 @@ ZO_AVX2 static float quantize_avx2(float *src, int is_signed, void *codes, int64
         zero_codes(codes, n);
         return 0.0f;
     }
-    const __m256 divisor = _mm256_set1_ps(scale), top = _mm256_set1_ps(is_signed ? 127.0f : 255.0f);
+    const float times = (is_signed ? 127.0f : 255.0f) / scale;
+    const __m256 by = _mm256_set1_ps(times), top = _mm256_set1_ps(is_signed ? 127.0f : 255.0f);
     const __m256 low = _mm256_set1_ps(is_signed ? -127.0f : 0.0f);
-    for (i = 0; i + 8 <= n; i += 8) {
-        __m256 r = _mm256_mul_ps(_mm256_div_ps(_mm256_loadu_ps(src + i), divisor), top);
+    for (i = 0; !isinf(times) && i + 8 <= n; i += 8) { /* a tiny block: all in codes_scalar */
+        __m256 r = _mm256_mul_ps(_mm256_loadu_ps(src + i), by);
         r = _mm256_round_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, low), top));
         __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
@@ -540,10 +543,11 @@ ZO_AVX512 static float quantize_avx512(float *src, int is_signed, void *codes, i
         zero_codes(codes, n);
         return 0.0f;
     }
-    const __m512 divisor = _mm512_set1_ps(scale), top = _mm512_set1_ps(is_signed ? 127.0f : 255.0f);
+    const float times = (is_signed ? 127.0f : 255.0f) / scale;
+    const __m512 by = _mm512_set1_ps(times), top = _mm512_set1_ps(is_signed ? 127.0f : 255.0f);
     const __m512 low = _mm512_set1_ps(is_signed ? -127.0f : 0.0f);
-    for (i = 0; i + 16 <= n; i += 16) {
-        __m512 r = _mm512_mul_ps(_mm512_div_ps(_mm512_loadu_ps(src + i), divisor), top);
+    for (i = 0; !isinf(times) && i + 16 <= n; i += 16) { /* a tiny block: all in codes_scalar */
+        __m512 r = _mm512_mul_ps(_mm512_loadu_ps(src + i), by);
         r = _mm512_roundscale_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, low), top));
         __m128i q8 = is_signed ? _mm512_cvtsepi32_epi8(q) : _mm512_cvtusepi32_epi8(q);
