@@ -327,10 +327,15 @@ static void dequantize_scalar(const void *codes, int is_signed, float scale, flo
     }
 }
 
-/* Largest |x|; a NaN is passed over (the comparison is false), as the vector max below does. */
+/* Largest |x|; a NaN is passed over (the comparison is false), as the vector max below does. Eight running
+ * maxima, not one: each max would wait for the one before it. A max is exact, so the order changes nothing. */
 static float absmax_scalar(const float *x, int64_t n) {
-    float largest = 0.0f;
-    for (int64_t i = 0; i < n; i++) largest = fabsf(x[i]) > largest ? fabsf(x[i]) : largest;
+    float lanes[8] = {0}, largest = 0.0f;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) lanes[k] = fabsf(x[i + k]) > lanes[k] ? fabsf(x[i + k]) : lanes[k];
+    for (; i < n; i++) largest = fabsf(x[i]) > largest ? fabsf(x[i]) : largest;
+    for (int k = 0; k < 8; k++) largest = lanes[k] > largest ? lanes[k] : largest;
     return largest;
 }
 
