@@ -3,7 +3,8 @@
 Two levels:
   cpu_adam_update(...)  one pass over flat tensors: reads fp32/fp16/bf16 gradients, applies a gradient factor
                     (1 / loss scale x clip factor), updates the fp32 master weights and Adam's moments in place,
-                    and can write the fp16/bf16 copy of the weights in the same pass;
+                    and can write the fp16/bf16 copy of the weights in the same pass; the moments may be stored
+                    in fp32, bf16 or 8 bits (state_precision.py);
   CPUAdam           a torch.optim.Optimizer built on it, a drop-in for torch.optim.Adam/AdamW on the host.
 
 Every tensor is checked before the C code touches any memory: a wrong dtype, device, length or layout is a
@@ -21,9 +22,14 @@ import torch
 from ..basics.norm import NORM_ROW, norm_rows, squared_norm_of_rows  # noqa: F401
 from ..implementation.offload import HostAdam
 from .build import build
+from .state_precision import BLOCK, blocks
 
 GRAD_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 VARIANTS = {"auto": -1, "scalar": 0, "avx2": 1, "avx512": 2}
+# How the moments are stored, by their dtypes (ZO_STATE_* in cpu_adam.h): int8 moments come with scales.
+STATE_FP32, STATE_BF16, STATE_INT8 = 0, 1, 2
+BF16_BITS = (torch.bfloat16, torch.uint16)
+MOMENT_DTYPES = (torch.float32, *BF16_BITS, torch.int8, torch.uint8)
 
 
 def supported_variants() -> list[str]:
@@ -74,12 +80,20 @@ def cpu_adam_update(
     variant: str = "auto",
     threads: int | None = None,
     row_squares: torch.Tensor | None = None,
+    exp_avg_scale: torch.Tensor | None = None,
+    exp_avg_sq_scale: torch.Tensor | None = None,
 ) -> None:
     """One Adam step (the `step`-th, counting from 1) over flat CPU tensors, in one pass; see the module doc.
 
     `row_squares` (fp32, `norm_rows(n)` elements): filled in the same pass with the sum of (grad x grad_scale)^2
-    over each row of NORM_ROW elements, for the gradient norm (`squared_norm_of_rows`)."""
-    _check_all(param, grad, exp_avg, exp_avg_sq, out)
+    over each row of NORM_ROW elements, for the gradient norm (`squared_norm_of_rows`).
+
+    The moments' dtypes say how they are stored (state_precision.py): fp32; bf16 (torch.bfloat16, or its bits
+    as torch.uint16); or int8 codes, exp_avg torch.int8 and exp_avg_sq torch.uint8 (codes of sqrt v), with
+    `exp_avg_scale` and `exp_avg_sq_scale`, fp32, one per block of 2048 elements (`blocks(n)`). The fp32
+    master weights stay fp32; the codes and scales are replaced by the new moments'."""
+    _check_all(param, grad, exp_avg, exp_avg_sq, out, moments=MOMENT_DTYPES)
+    state_dtype = _state_dtype(exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale)
     if row_squares is not None:
         _check("row_squares", row_squares, norm_rows(param.numel()), (torch.float32,))
     if step < 1:
@@ -90,6 +104,14 @@ def cpu_adam_update(
     ffi, lib = module.ffi, module.lib
     beta1, beta2 = betas
     args = _tensor_args(ffi, param, grad, exp_avg, exp_avg_sq, out)
+    if state_dtype != STATE_FP32:
+        args.state_dtype = state_dtype
+        args.exp_avg, args.exp_avg_sq = ffi.NULL, ffi.NULL
+        args.exp_avg_packed = ffi.cast("void *", exp_avg.data_ptr())
+        args.exp_avg_sq_packed = ffi.cast("void *", exp_avg_sq.data_ptr())
+    if state_dtype == STATE_INT8:
+        args.exp_avg_scale = ffi.cast("float *", exp_avg_scale.data_ptr())
+        args.exp_avg_sq_scale = ffi.cast("float *", exp_avg_sq_scale.data_ptr())
     args.adamw = int(adamw)
     # Everything derived from the hyperparameters is computed here in double precision, then rounded once.
     args.beta1, args.one_minus_beta1, args.beta2, args.one_minus_beta2 = beta1, 1 - beta1, beta2, 1 - beta2
@@ -119,14 +141,56 @@ def memory_floor(param, grad, exp_avg, exp_avg_sq, *, out=None, threads: int | N
                                threads or default_threads())  # fmt: skip
 
 
-def _check_all(param, grad, exp_avg, exp_avg_sq, out) -> None:
+def _check_all(param, grad, exp_avg, exp_avg_sq, out, moments=(torch.float32,)) -> None:
     n = param.numel() if isinstance(param, torch.Tensor) else -1
     _check("param", param, n, (torch.float32,))
     _check("grad", grad, n, tuple(GRAD_DTYPES))
-    _check("exp_avg", exp_avg, n, (torch.float32,))
-    _check("exp_avg_sq", exp_avg_sq, n, (torch.float32,))
+    _check("exp_avg", exp_avg, n, moments)
+    _check("exp_avg_sq", exp_avg_sq, n, moments)
     if out is not None:
         _check("out", out, n, tuple(GRAD_DTYPES))
+
+
+def _state_dtype(exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale) -> int:
+    """The moments' storage from their dtypes (already among MOMENT_DTYPES), or a ValueError with the fix."""
+    m, v = exp_avg.dtype, exp_avg_sq.dtype
+    if m == torch.uint8:
+        raise ValueError("exp_avg (Adam's m) is signed: its 8-bit codes must be torch.int8, not torch.uint8")
+    if v == torch.int8:
+        raise ValueError(
+            "exp_avg_sq holds 8-bit codes of sqrt(v), which is never negative: it must be torch.uint8, not "
+            "torch.int8"
+        )
+    if m == v == torch.float32 or (m in BF16_BITS and v in BF16_BITS):
+        for name, scale in (("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale)):
+            if scale is not None:
+                raise ValueError(f"{name} is only for 8-bit moments (torch.int8 / torch.uint8); pass None")
+        return STATE_FP32 if m == torch.float32 else STATE_BF16
+    if (m, v) != (torch.int8, torch.uint8):
+        names = {
+            torch.float32: "fp32",
+            torch.int8: "int8",
+            torch.uint8: "int8",
+            **dict.fromkeys(BF16_BITS, "bf16"),
+        }
+        raise ValueError(
+            f"exp_avg is {names[m]} but exp_avg_sq is {names[v]}: both moments must have one precision "
+            "(fp32 and fp32, bf16 and bf16, or torch.int8 and torch.uint8 codes)"
+        )
+    want = blocks(exp_avg.numel())
+    for name, scale in (("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale)):
+        if scale is None:
+            raise ValueError(
+                f"8-bit moments need {name}: an fp32 tensor of {want} elements, one per block of {BLOCK} "
+                "(state_precision.zeros_state(n, 'int8') makes a first step's)"
+            )
+        if isinstance(scale, torch.Tensor) and scale.numel() != want:
+            raise ValueError(
+                f"{name} has {scale.numel()} elements; 8-bit moments of {exp_avg.numel()} elements need "
+                f"{want}, one per block of {BLOCK} (state_precision.blocks(n))"
+            )
+        _check(name, scale, want, (torch.float32,))
+    return STATE_INT8
 
 
 def _tensor_args(ffi, param, grad, exp_avg, exp_avg_sq, out):

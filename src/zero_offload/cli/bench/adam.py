@@ -1,23 +1,35 @@
-"""Two `make bench` sections about the Adam kernel, reported as ratios within one run:
+"""Three `make bench` sections about the Adam kernel, reported as ratios within one run:
 
   adam_implementations()  one Adam step over fp32 parameters: naive, torch's foreach and fused, DeepSpeed's
                           CPU Adam where installed, ours per variant and thread count, and the memory floor;
   offload_update()        the whole offloaded update (fp16 gradients in, unscale, Adam, fp16 weights out):
-                          torch's passes against our one pass.
+                          torch's passes against our one pass;
+  moment_precisions()     ours with the moments stored in fp32, bf16 and int8, per variant and thread count.
 
 Both time their contenders in interleaved rounds (timing.py), so that a slow spell hits all alike.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ...basics.adam import Adam
 from ...tuning.build import CPUAdamUnavailable
 from ...tuning.cpu_adam import CPUAdam, cpu_adam_update, memory_floor, supported_variants
+from ...tuning.state_precision import BLOCK, PRECISIONS, zeros_state
 from .timing import interleaved_ms
 
 BYTES_PER_PARAM = 28  # one Adam pass: w, m, v read and written (24) + the fp32 gradient read (4)
+# Bytes a parameter of m and v together, as stored: int8 adds one fp32 scale per moment and block.
+STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 2 * 4 / BLOCK}
+
+
+def pass_bytes(precision: str) -> float:
+    """Bytes one Adam pass moves a parameter: w read and written, the fp32 gradient read, the moments read and
+    written in their precision (28 for fp32)."""
+    return 12 + 2 * STATE_BYTES[precision]
 
 
 def _deepspeed_adam(param):
@@ -98,6 +110,56 @@ def offload_update(numel: int = 16_700_000, rounds: int = 7, threads: int = 2) -
         )
     ms = interleaved_ms(steps, rounds, desc="offloaded update")
     return {"numel": numel, "threads": threads, "median_ms": ms, "floor_ms": ms.pop("memory floor", None)}
+
+
+def moment_precisions(numel: int = 16_700_000, rounds: int = 7, threads: int = 2) -> dict:
+    """One Adam step over `numel` fp32 weights (fp32 gradients, no rounded copy) with the moments stored in
+    each precision of tuning/state_precision.py, per variant and thread count; and the memory floor of the
+    fp32 pass at `threads` threads, whose bandwidth the narrow passes are measured against."""
+    torch.set_num_threads(threads)
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    steps = {}
+    for precision in PRECISIONS if _c_variants() else ():
+        param, state, counter = torch.zeros(numel), zeros_state(numel, precision), itertools.count(1)
+        for variant in _c_variants():
+            for count in range(1, threads + 1):
+                steps[f"{precision} {variant} x{count}"] = lambda p=param, s=state, v=variant, t=count, c=counter: (
+                    cpu_adam_update(
+                        p, grad, s["exp_avg"], s["exp_avg_sq"], exp_avg_scale=s.get("exp_avg_scale"),
+                        exp_avg_sq_scale=s.get("exp_avg_sq_scale"), step=next(c), lr=1e-3, variant=v, threads=t,
+                    )
+                )  # fmt: skip
+    if steps:
+        scratch = [torch.zeros(numel) for _ in range(3)]
+        steps["memory floor"] = lambda: memory_floor(
+            scratch[0], grad, scratch[1], scratch[2], threads=threads
+        )
+    ms = interleaved_ms(steps, rounds, desc="moment precisions")
+    return {"numel": numel, "threads": threads, "median_ms": ms, "floor_ms": ms.pop("memory floor", None),
+            "state_bytes": STATE_BYTES, "pass_bytes": {p: pass_bytes(p) for p in PRECISIONS}}  # fmt: skip
+
+
+def print_moment_precisions(result: dict) -> None:
+    numel, floor = result["numel"], result["floor_ms"]
+    print(
+        f"\nAdam step over {numel:,} fp32 weights, the moments stored in fp32, bf16 or int8 (fp32 gradients)"
+    )
+    if not result["median_ms"]:
+        print("skipped: the C Adam cannot be built here")
+        return
+    floor_gbps = BYTES_PER_PARAM * numel / floor / 1e6
+    print(
+        f"{'moments, variant, threads':<28}{'state B':>8}{'pass B':>8}{'ms':>8}{'GB/s':>8}{'of floor GB/s':>15}"
+    )
+    for name, ms in result["median_ms"].items():
+        precision = name.split()[0]
+        gbps = pass_bytes(precision) * numel / ms / 1e6
+        sizes = f"{STATE_BYTES[precision]:>8.3f}{pass_bytes(precision):>8.2f}"
+        print(f"{name:<28}{sizes}{ms:>8.1f}{gbps:>8.1f}{gbps / floor_gbps:>15.0%}")
+    print(
+        f"{'memory floor (fp32 pass)':<28}{'':>8}{BYTES_PER_PARAM:>8.2f}{floor:>8.1f}{floor_gbps:>8.1f}"
+        f"\nstate B: bytes a parameter of m and v as stored; pass B: bytes a step moves a parameter"
+    )
 
 
 def print_adam_implementations(adam: dict) -> None:

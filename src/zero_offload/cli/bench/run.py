@@ -14,8 +14,10 @@ from ...plots import plot_bars
 from .adam import (
     BYTES_PER_PARAM,
     adam_implementations,
+    moment_precisions,
     offload_update,
     print_adam_implementations,
+    print_moment_precisions,
     print_offload_update,
 )
 from .sections import SECTIONS
@@ -56,6 +58,9 @@ def run_bench(
     if "update" in only:
         results["offload_update"] = offload_update(numel, rounds, threads)
         print_offload_update(results["offload_update"])
+    if "states" in only:
+        results["moment_precisions"] = moment_precisions(numel, rounds, threads)
+        print_moment_precisions(results["moment_precisions"])
     if "overhead" in only:
         results["offload_overhead"] = offload_overhead()
         print_offload_overhead(results["offload_overhead"])

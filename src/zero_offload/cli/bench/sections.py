@@ -4,4 +4,4 @@ Named in a file of their own that imports nothing, so that `zo`'s parser offers 
 importing torch, and run.py checks against the same names.
 """
 
-SECTIONS = ("adam", "update", "overhead", "model", "torch-op", "module5")
+SECTIONS = ("adam", "update", "states", "overhead", "model", "torch-op", "module5")

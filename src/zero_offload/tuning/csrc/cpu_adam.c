@@ -297,8 +297,282 @@ static int cpu_has_avx2(void) { return 0; }
 static int cpu_has_avx512(void) { return 0; }
 #endif
 
-/* ----------------------------------------------------------------------------------- dispatch, threads */
+/* ---------------------------------------------------------------------- moments stored in bf16 or 8 bits */
+/* A narrow state is never updated where it lies. Block by block (ZO_STATE_BLOCK elements, counted from element
+ * 0), m and v are decoded into fp32 scratch on the stack, the variant's own fp32 loop above updates the block
+ * there, and the new moments are encoded back. The scratch (16 KB) stays in L1, so memory sees only the narrow
+ * bytes, and the Adam arithmetic is the fp32 path's, operation for operation. Blocks because an int8 code needs
+ * the block's new largest value, known only once the whole block is updated.
+ *
+ * int8 codes are linear in m (signed, 127 a side) and in sqrt(v) (unsigned, 0..255), not in v: sqrt(v) is on
+ * the scale of |m|, so both codes cover the same 1:127 (1:255) range of gradient sizes, where codes of v itself
+ * would round every v below 1/510 of the block's largest to zero, and with it the update's denominator to eps.
+ * A dynamic (logarithmic) map would reach further down, at the price of a table look-up per element. The
+ * stored scale is the largest value itself, not largest / 127, which loses bits in a denormal block. A code is
+ * x x (127 / largest), rounded to nearest even: one division a block; where 127 / largest is too large for
+ * fp32 (a block below ~1e-36), x / largest x 127 instead. */
+
+/* One update of elements [begin, end), by one of the variants: here of one block in the scratch. */
 typedef void (*zo_kernel)(const zo_adam_args *, int64_t, int64_t);
+
+typedef struct {
+    zo_kernel adam; /* the fp32 update of one block, in the scratch */
+    void (*from_bf16)(const uint16_t *src, float *dst, int64_t n);
+    void (*to_bf16)(const float *src, uint16_t *dst, int64_t n);
+    /* codes (int8_t when is_signed, else uint8_t codes of sqrt v) -> fp32 m (v) */
+    void (*dequantize)(const void *codes, int is_signed, float scale, float *dst, int64_t n);
+    /* fp32 m (v) -> codes; returns the new scale. Takes sqrt of v in place: the scratch is dead afterwards. */
+    float (*quantize)(float *src, int is_signed, void *codes, int64_t n);
+} zo_codecs;
+
+static const float ZO_M_STEP = 1.0f / 127.0f, ZO_V_STEP = 1.0f / 255.0f; /* a code's share of the scale */
+
+static void from_bf16_scalar(const uint16_t *src, float *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_float(src[i]);
+}
+
+static void to_bf16_scalar(const float *src, uint16_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = float_to_bf16(src[i]);
+}
+
+static void dequantize_scalar(const void *codes, int is_signed, float scale, float *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        if (is_signed) {
+            dst[i] = (float)((const int8_t *)codes)[i] * ZO_M_STEP * scale;
+        } else {
+            float root = (float)((const uint8_t *)codes)[i] * ZO_V_STEP * scale;
+            dst[i] = root * root;
+        }
+    }
+}
+
+/* Largest |x|; a NaN is passed over (the comparison is false), as the vector max below does. Eight running
+ * maxima, not one: each max would wait for the one before it. A max is exact, so the order changes nothing. */
+static float absmax_scalar(const float *x, int64_t n) {
+    float lanes[8] = {0}, largest = 0.0f;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) lanes[k] = fabsf(x[i + k]) > lanes[k] ? fabsf(x[i + k]) : lanes[k];
+    for (; i < n; i++) largest = fabsf(x[i]) > largest ? fabsf(x[i]) : largest;
+    for (int k = 0; k < 8; k++) largest = lanes[k] > largest ? lanes[k] : largest;
+    return largest;
+}
+
+/* One code: x x times (top / scale), or x / scale x top where times is infinite, rounded to nearest even.
+ * Adding and taking away 1.5 x 2^23 rounds to nearest even any |r| < 2^22 (here |r| <= 255), inline, where
+ * nearbyintf would be a library call per element. The clamp only matters for a NaN (the comparison is false:
+ * `low`, as the vector max gives), which no code can stand for, and keeps the conversion defined. */
+static float code_of(float x, float scale, float times, float low, float top) {
+    float r = isinf(times) ? x / scale * top : x * times;
+    r = (r + 12582912.0f) - 12582912.0f;
+    r = r > low ? r : low;
+    return r < top ? r : top;
+}
+
+static void codes_scalar(const float *src, int is_signed, float scale, void *codes, int64_t begin, int64_t n) {
+    const float times = (is_signed ? 127.0f : 255.0f) / scale;
+    for (int64_t i = begin; i < n; i++) {
+        if (is_signed) ((int8_t *)codes)[i] = (int8_t)code_of(src[i], scale, times, -127.0f, 127.0f);
+        else ((uint8_t *)codes)[i] = (uint8_t)code_of(src[i], scale, times, 0.0f, 255.0f);
+    }
+}
+
+static void zero_codes(void *codes, int64_t n) {
+    for (int64_t i = 0; i < n; i++) ((uint8_t *)codes)[i] = 0;
+}
+
+static float quantize_scalar(float *src, int is_signed, void *codes, int64_t n) {
+    if (!is_signed)
+        for (int64_t i = 0; i < n; i++) src[i] = sqrtf(src[i]);
+    float scale = absmax_scalar(src, n);
+    if (scale == 0.0f) { /* a block of zeros: every code 0, and no 0 / 0 */
+        zero_codes(codes, n);
+        return 0.0f;
+    }
+    codes_scalar(src, is_signed, scale, codes, 0, n);
+    return scale;
+}
+
+static void adam_narrow(const zo_adam_args *a, int64_t begin, int64_t end, const zo_codecs *c) {
+    float m[ZO_STATE_BLOCK], v[ZO_STATE_BLOCK];
+    const int64_t grad_size = a->grad_dtype == ZO_F32 ? 4 : 2, out_size = a->out_dtype == ZO_F32 ? 4 : 2;
+    const int int8 = a->state_dtype == ZO_STATE_INT8;
+    zo_adam_args block = *a; /* the same update, pointed at one block and at the scratch */
+    block.row_squares = NULL;
+    block.exp_avg = m;
+    block.exp_avg_sq = v;
+    block.state_dtype = ZO_STATE_F32;
+    /* Thread chunks start on a block (run_threads), so each int8 block is coded whole by one thread. */
+    for (int64_t first = begin; first < end;) {
+        int64_t index = first / ZO_STATE_BLOCK, last = (index + 1) * ZO_STATE_BLOCK;
+        last = last < end ? last : end;
+        int64_t n = last - first;
+        if (int8) {
+            c->dequantize((const int8_t *)a->exp_avg_packed + first, 1, a->exp_avg_scale[index], m, n);
+            c->dequantize((const uint8_t *)a->exp_avg_sq_packed + first, 0, a->exp_avg_sq_scale[index], v, n);
+        } else {
+            c->from_bf16((const uint16_t *)a->exp_avg_packed + first, m, n);
+            c->from_bf16((const uint16_t *)a->exp_avg_sq_packed + first, v, n);
+        }
+        block.param = a->param + first;
+        block.grad = (const char *)a->grad + first * grad_size;
+        block.out = a->out != NULL ? (char *)a->out + first * out_size : NULL;
+        block.n = n;
+        c->adam(&block, 0, n);
+        if (int8) {
+            a->exp_avg_scale[index] = c->quantize(m, 1, (int8_t *)a->exp_avg_packed + first, n);
+            a->exp_avg_sq_scale[index] = c->quantize(v, 0, (uint8_t *)a->exp_avg_sq_packed + first, n);
+        } else {
+            c->to_bf16(m, (uint16_t *)a->exp_avg_packed + first, n);
+            c->to_bf16(v, (uint16_t *)a->exp_avg_sq_packed + first, n);
+        }
+        first = last;
+    }
+}
+
+static const zo_codecs codecs_scalar = {adam_scalar, from_bf16_scalar, to_bf16_scalar, dequantize_scalar,
+                                        quantize_scalar};
+static void narrow_scalar(const zo_adam_args *a, int64_t begin, int64_t end) {
+    adam_narrow(a, begin, end, &codecs_scalar);
+}
+
+#if defined(__x86_64__) || defined(_M_X64)
+/* The codecs 8 (16) at a time; the few elements after the last full vector go to the scalar codecs, which do
+ * the same operations (no fused ones here), so every variant codes a given block of fp32 moments alike. */
+ZO_AVX2 static void from_bf16_avx2(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8_grad(src, ZO_BF16, i));
+    from_bf16_scalar(src + i, dst + i, n - i);
+}
+
+ZO_AVX2 static void to_bf16_avx2(const float *src, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8_out(dst, ZO_BF16, i, _mm256_loadu_ps(src + i));
+    to_bf16_scalar(src + i, dst + i, n - i);
+}
+
+ZO_AVX2 static void dequantize_avx2(const void *codes, int is_signed, float scale, float *dst, int64_t n) {
+    const __m256 step = _mm256_set1_ps(is_signed ? ZO_M_STEP : ZO_V_STEP), times = _mm256_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m128i bytes = _mm_loadl_epi64((const __m128i *)((const uint8_t *)codes + i));
+        __m256i wide = is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+        __m256 x = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(wide), step), times);
+        _mm256_storeu_ps(dst + i, is_signed ? x : _mm256_mul_ps(x, x));
+    }
+    dequantize_scalar((const uint8_t *)codes + i, is_signed, scale, dst + i, n - i);
+}
+
+ZO_AVX2 static float quantize_avx2(float *src, int is_signed, void *codes, int64_t n) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 largest = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(src + i);
+        if (!is_signed) {
+            x = _mm256_sqrt_ps(x);
+            _mm256_storeu_ps(src + i, x);
+        }
+        /* max_ps gives its second operand when one is a NaN: a NaN is passed over, as absmax_scalar does */
+        largest = _mm256_max_ps(_mm256_and_ps(x, magnitude), largest);
+    }
+    for (int64_t k = i; k < n && !is_signed; k++) src[k] = sqrtf(src[k]);
+    float lanes[8], scale = absmax_scalar(src + i, n - i);
+    _mm256_storeu_ps(lanes, largest);
+    for (int k = 0; k < 8; k++) scale = lanes[k] > scale ? lanes[k] : scale;
+    if (scale == 0.0f) {
+        zero_codes(codes, n);
+        return 0.0f;
+    }
+    const float times = (is_signed ? 127.0f : 255.0f) / scale;
+    const __m256 by = _mm256_set1_ps(times), top = _mm256_set1_ps(is_signed ? 127.0f : 255.0f);
+    const __m256 low = _mm256_set1_ps(is_signed ? -127.0f : 0.0f);
+    for (i = 0; !isinf(times) && i + 8 <= n; i += 8) { /* a tiny block: all in codes_scalar */
+        __m256 r = _mm256_mul_ps(_mm256_loadu_ps(src + i), by);
+        r = _mm256_round_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, low), top));
+        __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+        __m128i q16 = is_signed ? _mm_packs_epi32(lo, hi) : _mm_packus_epi32(lo, hi);
+        __m128i q8 = is_signed ? _mm_packs_epi16(q16, q16) : _mm_packus_epi16(q16, q16);
+        _mm_storel_epi64((__m128i *)((uint8_t *)codes + i), q8);
+    }
+    codes_scalar(src, is_signed, scale, codes, i, n);
+    return scale;
+}
+
+static const zo_codecs codecs_avx2 = {adam_avx2, from_bf16_avx2, to_bf16_avx2, dequantize_avx2, quantize_avx2};
+static void narrow_avx2(const zo_adam_args *a, int64_t begin, int64_t end) {
+    adam_narrow(a, begin, end, &codecs_avx2);
+}
+
+ZO_AVX512 static void from_bf16_avx512(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16_grad(src, ZO_BF16, i));
+    from_bf16_avx2(src + i, dst + i, n - i);
+}
+
+ZO_AVX512 static void to_bf16_avx512(const float *src, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) store16_out(dst, ZO_BF16, i, _mm512_loadu_ps(src + i));
+    to_bf16_avx2(src + i, dst + i, n - i);
+}
+
+ZO_AVX512 static void dequantize_avx512(const void *codes, int is_signed, float scale, float *dst, int64_t n) {
+    const __m512 step = _mm512_set1_ps(is_signed ? ZO_M_STEP : ZO_V_STEP), times = _mm512_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)codes + i));
+        __m512i wide = is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+        __m512 x = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(wide), step), times);
+        _mm512_storeu_ps(dst + i, is_signed ? x : _mm512_mul_ps(x, x));
+    }
+    dequantize_avx2((const uint8_t *)codes + i, is_signed, scale, dst + i, n - i);
+}
+
+ZO_AVX512 static float quantize_avx512(float *src, int is_signed, void *codes, int64_t n) {
+    __m512 largest = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_loadu_ps(src + i);
+        if (!is_signed) {
+            x = _mm512_sqrt_ps(x);
+            _mm512_storeu_ps(src + i, x);
+        }
+        largest = _mm512_max_ps(_mm512_abs_ps(x), largest); /* a NaN is passed over, as in the AVX2 loop */
+    }
+    for (int64_t k = i; k < n && !is_signed; k++) src[k] = sqrtf(src[k]);
+    float lanes[16], scale = absmax_scalar(src + i, n - i);
+    _mm512_storeu_ps(lanes, largest);
+    for (int k = 0; k < 16; k++) scale = lanes[k] > scale ? lanes[k] : scale;
+    if (scale == 0.0f) {
+        zero_codes(codes, n);
+        return 0.0f;
+    }
+    const float times = (is_signed ? 127.0f : 255.0f) / scale;
+    const __m512 by = _mm512_set1_ps(times), top = _mm512_set1_ps(is_signed ? 127.0f : 255.0f);
+    const __m512 low = _mm512_set1_ps(is_signed ? -127.0f : 0.0f);
+    for (i = 0; !isinf(times) && i + 16 <= n; i += 16) { /* a tiny block: all in codes_scalar */
+        __m512 r = _mm512_mul_ps(_mm512_loadu_ps(src + i), by);
+        r = _mm512_roundscale_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, low), top));
+        __m128i q8 = is_signed ? _mm512_cvtsepi32_epi8(q) : _mm512_cvtusepi32_epi8(q);
+        _mm_storeu_si128((__m128i *)((uint8_t *)codes + i), q8);
+    }
+    codes_scalar(src, is_signed, scale, codes, i, n);
+    return scale;
+}
+
+static const zo_codecs codecs_avx512 = {adam_avx512, from_bf16_avx512, to_bf16_avx512, dequantize_avx512,
+                                        quantize_avx512};
+static void narrow_avx512(const zo_adam_args *a, int64_t begin, int64_t end) {
+    adam_narrow(a, begin, end, &codecs_avx512);
+}
+#else
+static void narrow_avx2(const zo_adam_args *a, int64_t begin, int64_t end) { narrow_scalar(a, begin, end); }
+static void narrow_avx512(const zo_adam_args *a, int64_t begin, int64_t end) { narrow_scalar(a, begin, end); }
+#endif
+
+/* ----------------------------------------------------------------------------------- dispatch, threads */
 typedef float (*zo_squares)(const zo_adam_args *, int64_t, int64_t);
 enum { ZO_MIN_PER_THREAD = 1 << 16 };
 
@@ -337,8 +611,10 @@ static void run_threads(const zo_adam_args *a, zo_kernel kernel, zo_squares squa
      * a layer norm) run on the calling thread alone, and each thread gets at least ZO_MIN_PER_THREAD. */
     if ((int64_t)threads * ZO_MIN_PER_THREAD > a->n) threads = (int)(a->n / ZO_MIN_PER_THREAD);
     /* Chunks are whole multiples of 64 elements (256 bytes of fp32): no two threads share a cache line. With
-     * row squares, whole rows: each row is then summed by one thread, and the sums do not depend on threads. */
-    int64_t align = squares != NULL ? ZO_NORM_ROW : 64;
+     * row squares, whole rows: each row is then summed by one thread, and the sums do not depend on threads.
+     * With narrow moments, whole blocks: an int8 block is coded by one thread, and neither state's results
+     * depend on threads (a row is two blocks). */
+    int64_t align = squares != NULL ? ZO_NORM_ROW : a->state_dtype != ZO_STATE_F32 ? ZO_STATE_BLOCK : 64;
     int64_t per = ((a->n + threads - 1) / (threads > 0 ? threads : 1) + align - 1) / align * align;
     if (threads <= 1 || per >= a->n) {
         zo_chunk whole = {a, kernel, squares, 0, a->n};
@@ -366,9 +642,12 @@ int zo_adam_update(const zo_adam_args *a, int variant, int threads) {
     missing_lab = NULL; /* this update's own report: an earlier call's stub does not stick */
     if (variant == ZO_AUTO) variant = cpu_has_avx512() ? ZO_AVX512F : cpu_has_avx2() ? ZO_AVX2_FMA : ZO_SCALAR;
     if (variant < 0 || variant > ZO_AVX512F || !(zo_cpu_variants() & (1 << variant))) return -1;
+    if (a->state_dtype < ZO_STATE_F32 || a->state_dtype > ZO_STATE_INT8) return -3;
     zo_kernel kernels[] = {adam_scalar, adam_avx2, adam_avx512};
+    zo_kernel narrow[] = {narrow_scalar, narrow_avx2, narrow_avx512};
     zo_squares squares[] = {squares_scalar, squares_avx2, squares_avx2}; /* 8 lanes keep up with memory */
-    run_threads(a, kernels[variant], a->row_squares != NULL ? squares[variant] : NULL, threads);
+    zo_kernel kernel = a->state_dtype == ZO_STATE_F32 ? kernels[variant] : narrow[variant];
+    run_threads(a, kernel, a->row_squares != NULL ? squares[variant] : NULL, threads);
     return missing_lab ? -2 : 0;
 }
 
@@ -402,6 +681,7 @@ static void floor_16(const zo_adam_args *a, int64_t begin, int64_t end) { /* 16-
 int zo_memory_floor(const zo_adam_args *a, int threads) {
     int narrow = a->grad_dtype != ZO_F32;
     if (narrow != (a->out != NULL) || (a->out != NULL && a->out_dtype == ZO_F32)) return -1;
+    if (a->state_dtype != ZO_STATE_F32) return -1; /* the floor's loops move fp32 moments */
     run_threads(a, narrow ? floor_16 : floor_f32, NULL, threads);
     return 0;
 }
