@@ -13,7 +13,7 @@ import torch
 import zero_offload as zo
 from tests.support.corpus import fixed_corpus
 from tests.support.distributed import check, run_ranks
-from tests.support.training import BATCH, SEQ
+from tests.support.training import BATCH, SEQ, train_delayed
 from zero_offload.accelerator import EmulatedAccelerator
 from zero_offload.implementation.durable import CheckpointError
 from zero_offload.implementation.schedulers import lr_at
@@ -152,23 +152,7 @@ def test_the_delayed_update_gives_each_group_its_own_settings():
     """Under DPU the gradient of step t is taken on weights one update old: the reference does the same."""
     start, steps = 2, 5
     model = TinyGPT("nano", seed=0)
-    optimizer = torch.optim.AdamW(split_groups(model), lr=1e-3, eps=1e-3)
-    params = list(model.parameters())
-    data = ByteBatches(fixed_corpus(), SEQ, seed=11)
-    visible = [p.detach().clone() for p in params]
-    for step in range(steps):
-        current = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, v in zip(params, visible, strict=True):
-                p.copy_(v)
-        x, y = data.micro_batch(step, BATCH, micro_step=0, rank=0, world_size=1, accumulation=1)
-        model.zero_grad()
-        lm_loss(model(x), y).backward()
-        with torch.no_grad():
-            for p, c in zip(params, current, strict=True):
-                p.copy_(c)
-        optimizer.step()
-        visible = [p.detach().clone() for p in params] if step + 1 <= start else current
+    train_delayed(model, torch.optim.AdamW(split_groups(model), lr=1e-3, eps=1e-3), steps, start)
     dpu = {"delayed_param_update": {"enabled": True, "start_step": start}}
     result = train_with_groups(0, 1, offload(2, "simd", overlap_offload=True, **dpu), steps=steps)
     assert_matches_reference(result["weights"], {n: p.detach() for n, p in model.named_parameters()})

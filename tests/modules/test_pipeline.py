@@ -19,7 +19,7 @@ import zero_offload.engine.optimizer_step
 from tests.support.corpus import fixed_corpus
 from tests.support.distributed import check, run_ranks
 from tests.support.interleave import held_until_quiet
-from tests.support.training import BATCH, SEQ, make_config, train_run
+from tests.support.training import BATCH, SEQ, make_config, train_delayed, train_run
 from zero_offload.accelerator import EmulatedAccelerator
 from zero_offload.config import ConfigError
 from zero_offload.practice.early_uploads import EarlyUploads
@@ -275,30 +275,10 @@ def test_the_host_cores_size_the_c_adams_threads_unless_the_config_gives_them():
 
 # -- the delayed parameter update ---------------------------------------------------------------------------
 def _stale_reference(steps, start):
-    """Plain torch: gradients of step t are taken on the weights the delayed engine shows at step t.
-
-    Up to step `start` those are the current weights; after it, the weights one update old."""
+    """Plain torch: gradients of step t are taken on the weights the delayed engine shows at step t."""
     model = TinyGPT("nano", seed=0)
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=1e-3, eps=1e-3, weight_decay=0.01)
-    data = ByteBatches(fixed_corpus(), SEQ, seed=11)
-    visible = [p.detach().clone() for p in params]
-    losses = []
-    for step in range(steps):
-        current = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, v in zip(params, visible, strict=True):
-                p.copy_(v)
-        x, y = data.micro_batch(step, BATCH, micro_step=0, rank=0, world_size=1, accumulation=1)
-        loss = lm_loss(model(x), y)
-        model.zero_grad()
-        loss.backward()
-        losses.append(float(loss.detach()))
-        with torch.no_grad():
-            for p, c in zip(params, current, strict=True):
-                p.copy_(c)
-        optimizer.step()
-        visible = [p.detach().clone() for p in params] if step + 1 <= start else current
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3, weight_decay=0.01)
+    losses = train_delayed(model, optimizer, steps, start)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

@@ -72,3 +72,29 @@ def train_run(rank, world_size, config, steps=STEPS, accumulation=1):
 def max_rel(a: dict, b: dict) -> float:
     """The largest relative error of any weight tensor, as a norm: ||a - b|| / ||b||."""
     return max(float(torch.linalg.vector_norm(a[k] - b[k]) / torch.linalg.vector_norm(b[k])) for k in b)
+
+
+def train_delayed(model, optimizer, steps: int, start: int) -> list[float]:
+    """Plain torch as the delayed update (DPU) trains: the gradient of step t is taken on the weights the
+    engine shows at step t, which up to step `start` are the current ones and after it one update old.
+    Trains `model` with `optimizer` in place on the whole batch; returns the losses."""
+    params = list(model.parameters())
+    data = ByteBatches(fixed_corpus(), SEQ, seed=11)
+    visible = [p.detach().clone() for p in params]
+    losses = []
+    for step in range(steps):
+        current = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, v in zip(params, visible, strict=True):
+                p.copy_(v)
+        x, y = data.micro_batch(step, BATCH, micro_step=0, rank=0, world_size=1, accumulation=1)
+        loss = lm_loss(model(x), y)
+        model.zero_grad()
+        loss.backward()
+        losses.append(float(loss.detach()))
+        with torch.no_grad():
+            for p, c in zip(params, current, strict=True):
+                p.copy_(c)
+        optimizer.step()
+        visible = [p.detach().clone() for p in params] if step + 1 <= start else current
+    return losses
