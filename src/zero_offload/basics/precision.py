@@ -14,6 +14,7 @@ skipped (nothing is updated) and S is lowered. bf16 has fp32's exponent range an
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 
@@ -159,21 +160,22 @@ def _runs(numels: list[int], groups: list[int] | None) -> tuple[list[int], list[
     return lengths, run_groups
 
 
+def _spans(lengths: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each of `lengths`, laid back to back."""
+    ends = list(itertools.accumulate(lengths))
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
 def _split_pieces(pieces: list[int], lengths: list[int]) -> list[list[int]]:
-    """`pieces` (consecutive lengths) cut where each of `lengths` ends: the pieces of each run."""
-    per_run, run, left, queue = [], [], lengths[0], list(pieces)
-    while queue:
-        piece = queue.pop(0)
-        take = min(piece, left)
-        run.append(take)
-        left -= take
-        if piece > take:
-            queue.insert(0, piece - take)
-        if left == 0:
-            per_run.append(run)
-            run = []
-            left = lengths[len(per_run)] if len(per_run) < len(lengths) else 0
-    return per_run
+    """`pieces` (consecutive lengths) cut where each of `lengths` ends: the part of each piece in each run."""
+    return [
+        [
+            min(end, run_end) - max(start, run_start)
+            for start, end in _spans(pieces)
+            if start < run_end and end > run_start
+        ]
+        for run_start, run_end in _spans(lengths)
+    ]
 
 
 class MixedPrecisionStates:

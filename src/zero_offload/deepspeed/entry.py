@@ -10,6 +10,7 @@ import torch
 
 from ..engine.engine import Engine, close_open_engines
 from ..engine.engine import initialize as zo_initialize
+from ..engine.param_groups import group_tensors
 from ..principles.process_group import free_port
 from ..principles.process_group import init_distributed as join_group
 from .client_optimizer import read_client_optimizer
@@ -85,9 +86,9 @@ def initialize(
     `args.deepspeed_config`. The optimizer and the schedule are the config's "optimizer" and "scheduler"
     sections; a torch.optim.Adam or AdamW given as `optimizer` stands for the first (client_optimizer.py).
     `model_parameters` may be the model's parameters or torch.optim-style groups of them, each with its own
-    lr, betas, eps and weight_decay (engine/param_groups.py). `training_data` (a torch Dataset) becomes a DataLoader as DeepSpeed builds it: batches of
-    train_micro_batch_size_per_gpu, a DistributedSampler over the ranks, drop_last from the config's
-    "dataloader_drop_last"; None without it."""
+    lr, betas, eps and weight_decay (engine/param_groups.py). `training_data` (a torch Dataset) becomes a
+    DataLoader as DeepSpeed builds it: batches of train_micro_batch_size_per_gpu, a DistributedSampler over the
+    ranks, drop_last from the config's "dataloader_drop_last"; None without it."""
     for name, value, why in (
         ("mpu", mpu, "model parallelism is not supported: the engine is data parallel, ZeRO stages 0-3"),
         ("mesh_param", mesh_param, "device meshes are not supported: the engine is data parallel"),
@@ -136,7 +137,11 @@ def _refuse_client_scheduler(lr_scheduler) -> None:
 def _client_groups(client_groups: list[dict], model_parameters: list | None) -> list[dict]:
     """The client optimizer's groups; `model_parameters`, if given too, must name the same parameters."""
     if model_parameters is not None:
-        given = {id(p) for item in model_parameters for p in _tensors_of(item)}
+        given = {
+            id(p)
+            for item in model_parameters
+            for p in (group_tensors(item) if isinstance(item, dict) else [item])
+        }
         held = {id(p) for group in client_groups for p in group["params"]}
         if given != held:
             raise ValueError(
@@ -144,13 +149,6 @@ def _client_groups(client_groups: list[dict], model_parameters: list | None) -> 
                 "ones, or leave model_parameters out (the optimizer's groups are used)"
             )
     return client_groups
-
-
-def _tensors_of(item) -> list:
-    if isinstance(item, dict):
-        params = item.get("params", [])
-        return [params] if isinstance(params, torch.Tensor) else list(params)
-    return [item]
 
 
 def _loader(engine: Engine, data, collate_fn) -> torch.utils.data.DataLoader:

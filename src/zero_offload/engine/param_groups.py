@@ -131,11 +131,16 @@ def _check_flat(model: torch.nn.Module, given: list | None, trained: dict) -> No
         )
 
 
+def group_tensors(group: dict) -> list:
+    """What a torch-style group's "params" lists: one tensor, or an iterable of them (unchecked)."""
+    params = group.get("params", [])
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
 def _group_params(index: int, group: dict) -> list[torch.Tensor]:
     if "params" not in group:
         raise ValueError(f'parameter group {index} has no "params": give it {{"params": [...], ...}}')
-    params = group["params"]
-    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    params = group_tensors(group)
     for param in params:
         if not isinstance(param, torch.Tensor):
             raise TypeError(
