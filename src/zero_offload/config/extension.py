@@ -4,9 +4,10 @@ Every key is optional; a section that sets them all reads:
 
     "zero_offload": {
         "device_memory": "512MiB",          # budget of the emulated device (int bytes or a size string)
-        "cpu_adam": {"impl": "simd", "threads": 2, "variant": "fastest"},  # the host's Adam: "simd" | "torch" |
-                                            # "naive"; the C kernel's loop: "fastest" (measured once) | "widest" |
-                                            # "scalar" | "avx2" | "avx512"
+        "cpu_adam": {"impl": "simd", "threads": 2, "variant": "fastest", "states": "fp32"},
+                                            # the host's Adam: "simd" | "torch" | "naive"; the C kernel's loop:
+                                            # "fastest" (measured once) | "widest" | "scalar" | "avx2" | "avx512";
+                                            # its m and v: "fp32" | "bf16" | "int8" (8-bit codes, block scales)
         "overlap_offload": true,            # module 5: copies and the host's Adam overlap the device's work
         "staging_slots": 4,                 # its host staging buffers per direction (default 2: double-buffered)
         "delayed_param_update": {"enabled": true, "start_step": 10},
@@ -47,6 +48,7 @@ def read_extension(s: Section) -> ExtensionConfig:
             impl=adam.choice("impl", ("simd", "torch", "naive"), "simd"),
             threads=adam.get("threads", int, None, optional=True, **AT_LEAST_1),
             variant=adam.choice("variant", ("fastest", "widest", "scalar", "avx2", "avx512"), "fastest"),
+            states=adam.choice("states", ("fp32", "bf16", "int8"), "fp32"),
         ),
         overlap_offload=s.get("overlap_offload", bool, False),
         staging_slots=s.get("staging_slots", int, 2, **AT_LEAST_1),

@@ -46,10 +46,26 @@ def check_supported(config: Config) -> None:
                 'the device saves the least memory for the most traffic; add "offload_optimizer": {"device": "cpu"}',
             )
         )
+    problems += _moment_problems(config)
     problems += _module5_problems(config)
     if problems:
         lines = "\n".join(f"  {key}: {why}" for key, why in problems)
         raise NotImplementedError(f"zero_offload cannot run this config:\n{lines}")
+
+
+def _moment_problems(config: Config) -> list[tuple[str, str]]:
+    """Moments below fp32 (module 4) live with the host's C Adam, the one Adam that reads and writes them."""
+    zero, adam = config.zero_optimization, config.zero_offload.cpu_adam
+    if adam.states == "fp32":
+        return []
+    key = "zero_offload.cpu_adam.states"
+    if zero.stage == 0 or not zero.offload_optimizer.enabled:
+        return [(key, f'"{adam.states}" moments are the host\'s: they need "zero_optimization": {{"stage": 1, 2 '
+                 'or 3, "offload_optimizer": {"device": "cpu"}} (or "nvme"); or keep "states": "fp32"')]  # fmt: skip
+    if adam.impl != "simd":
+        return [(key, f'only the C Adam runs "{adam.states}" moments; set "cpu_adam": {{"impl": "simd"}}, or '
+                 f'keep "states": "fp32" with "impl": "{adam.impl}"')]  # fmt: skip
+    return []
 
 
 def _module5_problems(config: Config) -> list[tuple[str, str]]:

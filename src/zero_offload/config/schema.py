@@ -143,6 +143,10 @@ class CpuAdamConfig:
     # "widest" (the widest this CPU runs) or one by name, e.g. "scalar" to stand in for a CPU without SIMD (the
     # same bytes, several times the time: `make bench`'s host-bound setting).
     variant: str = "fastest"  # "fastest" | "widest" | "scalar" | "avx2" | "avx512"
+    # How the host's Adam stores m and v (module 4, tuning/state_precision.py): "fp32"; "bf16" (rounded to
+    # nearest even); "int8" (8-bit codes with an fp32 scale per block of 2048; v as codes of sqrt v). The fp32
+    # master weights stay fp32. Below fp32 only the C Adam ("impl": "simd") can run them.
+    states: str = "fp32"  # "fp32" | "bf16" | "int8"
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from ..practice.timeline import Span, Timeline, gather_timeline
 from ..principles.comm import Comm
 from ..principles.process_group import JoinedGroup, hold_launcher_group
 from ..principles.recompute import checkpoint_blocks
+from ..tuning.moment_codec import MomentCodec
 from ..tuning.partial import estimate_for_config
 from .divergence import SkipGuard
 from .model_setup import (
@@ -127,6 +128,8 @@ class Engine:
         offloaded = config.zero_optimization.stage > 0 and config.zero_optimization.offload_optimizer.enabled
         optimizers = build_optimizers(config, self.states, self.groups, offloaded=offloaded)
         self.optimizer = optimizers.optimizer
+        # How checkpoints read and write m and v in the precision they are kept in (module 4: fp32, bf16, 8 bits).
+        self.moment_codec = MomentCodec()
         self.lr_scheduler = build_scheduler(config.scheduler, self.optimizer)
         self.ledger = MemoryLedger(self.accelerator)
         self.states.record(self.ledger)

@@ -31,18 +31,23 @@ def build_optimizer(
     *,
     groups: ParamGroups | None = None,
     master_groups: list[int] | None = None,
+    scales: tuple[list, list] | None = None,
 ):
     """The Adam that updates the fp32 `params`, with its moments living in the buffers the states allocated.
 
     `impl` defaults to the config's zero_offload.cpu_adam.impl ("simd", "torch" or "naive"). With parameter
     `groups`, `master_groups` says the group of each of `params`; the optimizer has the script's groups, in
-    its order, each with its own settings (None: one group, the config's)."""
+    its order, each with its own settings (None: one group, the config's). `scales`: the int8 moments' block
+    scales, (exp_avg's, exp_avg_sq's) per param (None entries, or None: moments without scales)."""
     opt, impl = config.optimizer, impl or config.zero_offload.cpu_adam.impl
     kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
-    moments = {id(m): (a, b) for m, a, b in zip(params, exp_avgs, exp_avg_sqs, strict=True)}
+    scales = scales or ([None] * len(params), [None] * len(params))
+    moments = {id(m): (a, b, *s) for m, a, b, *s in zip(params, exp_avgs, exp_avg_sqs, *scales, strict=True)}
+    narrow = bool(exp_avgs) and exp_avgs[0].dtype != torch.float32  # module 4's bf16 or int8 moments
     if groups is not None:  # the settings come with each group; the keyword ones are only the defaults
         params = groups.torch_groups(params, master_groups)
-    optimizer = simd_optimizer(config, params, kwargs) if impl == "simd" else None  # module 4's C Adam
+    # Module 4's C Adam, if chosen (None where it cannot be built and the moments are fp32: a fallback below).
+    optimizer = simd_optimizer(config, params, kwargs, narrow) if impl == "simd" else None
     if optimizer is None and impl == "naive":
         optimizer = Adam(params, adamw=opt.adamw, **kwargs)
     elif optimizer is None:
@@ -55,12 +60,12 @@ def build_optimizer(
         optimizer = cls(params, fused=True, **kwargs)
     # Filled in before the first step, so the optimizer never allocates moments of its own behind our back.
     for param in (p for group in optimizer.param_groups for p in group["params"]):
-        exp_avg, exp_avg_sq = moments[id(param)]
-        optimizer.state[param] = {
-            "step": torch.zeros((), dtype=torch.float32, device=param.device),
-            "exp_avg": exp_avg,
-            "exp_avg_sq": exp_avg_sq,
-        }
+        exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale = moments[id(param)]
+        state = {"step": torch.zeros((), dtype=torch.float32, device=param.device)}
+        state.update(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+        if exp_avg_scale is not None:  # int8 moments: their blocks' scales, which the C Adam rewrites too
+            state.update(exp_avg_scale=exp_avg_scale, exp_avg_sq_scale=exp_avg_sq_scale)
+        optimizer.state[param] = state
     return optimizer
 
 
@@ -81,8 +86,9 @@ def kernel_variant(configured: str, threads: int | None) -> str:
     return "auto" if configured == "widest" else configured
 
 
-def simd_optimizer(config: Config, params: list, kwargs: dict):
-    """The C CPU Adam (module 4), or None, with one warning, where no C compiler can build it."""
+def simd_optimizer(config: Config, params: list, kwargs: dict, narrow: bool = False):
+    """The C CPU Adam (module 4), or None, with one warning, where no C compiler can build it. With `narrow`
+    moments (bf16 or int8, which only the C Adam reads) there is nothing to fall back to: an error."""
     opt, adam = config.optimizer, config.zero_offload.cpu_adam
     try:
         return CPUAdam(
@@ -94,6 +100,11 @@ def simd_optimizer(config: Config, params: list, kwargs: dict):
             **kwargs,
         )
     except CPUAdamUnavailable as err:
+        if narrow:
+            raise CPUAdamUnavailable(
+                f'{err}. zero_offload.cpu_adam.states is "{adam.states}", and only the C Adam stores moments '
+                'below fp32: make the C Adam build (a C compiler and cffi), or set "states": "fp32"'
+            ) from None
         warnings.warn(f"{err}. Falling back to torch.optim's fused Adam for now.", stacklevel=4)
         return None
 
@@ -114,13 +125,21 @@ def build_optimizers(config: Config, states, groups: ParamGroups, *, offloaded: 
     impl = config.zero_offload.cpu_adam.impl
     device_impl = "naive" if impl == "naive" else "torch"
     host_impl = impl if offloaded else device_impl
-    lists = (states.master_params, states.exp_avgs, states.exp_avg_sqs, states.master_groups)
+    lists = (
+        states.master_params,
+        states.exp_avgs,
+        states.exp_avg_sqs,
+        states.master_groups,
+        states.exp_avg_scales,
+        states.exp_avg_sq_scales,
+    )
 
     def build(part: slice, part_impl: str):
-        masters, exp_avgs, exp_avg_sqs, master_groups = (x[part] for x in lists)
+        masters, exp_avgs, exp_avg_sqs, master_groups, m_scales, v_scales = (x[part] for x in lists)
         return build_optimizer(
-            config, masters, exp_avgs, exp_avg_sqs, part_impl, groups=groups, master_groups=master_groups
-        )
+            config, masters, exp_avgs, exp_avg_sqs, part_impl, groups=groups, master_groups=master_groups,
+            scales=(m_scales, v_scales),
+        )  # fmt: skip
 
     # The first optimizer's units: the host's when offloaded (all but module 4's device units), else all.
     split = states.host_units if offloaded else len(states.master_params)

@@ -93,7 +93,7 @@ def build_states(
         )
     if not zero.offload_optimizer.enabled:
         return ShardedStates(model, accel, config.precision, zero.stage, comm, zero, group_of=group_of)
-    tier, placement = OffloadedStates, {"group_of": group_of}
+    tier, placement = OffloadedStates, {"group_of": group_of, "moments": config.zero_offload.cpu_adam.states}
     if zero.offload_optimizer.device == "nvme":  # module 5
         tier = NVMeStates
     elif zero.offload_optimizer.ratio < 1.0:  # module 4: the leading units closest to the ratio on the host

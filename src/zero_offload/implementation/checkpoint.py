@@ -240,7 +240,8 @@ def load_checkpoint(engine, path, tag: str | None = None, options: LoadOptions =
     check_fits(path, saved, engine.model)
     if options.optimizer_states and not options.module_only:  # m and v are only valid under the same groups
         check_same_groups(path, saved, engine)
-    full = assemble(path, files, piece_keys(saved))
+    full = assemble(path, files, piece_keys(saved), decode=engine.moment_codec.decode_piece)
+    _warn_if_moments_convert(path, saved, engine)
     with torch.no_grad():
         for key, tensor in model_entries(engine.model).items():
             if not isinstance(tensor, str):
@@ -286,15 +287,29 @@ def _write_states(
     states, optimizer = engine.states, engine.optimizer
     with torch.no_grad():
         for index, tensors, unit_pieces in units_of(engine, write=True):
-            for tensor in tensors.values():
-                tensor.zero_()  # the padding of a shard is zero, as a fresh engine has it
+            weights = tensors["master"]
+            weights.zero_()  # the padding of a shard is zero, as a fresh engine has it
+            # m and v put together in fp32 first, then stored in this run's precision (module 4 may keep them in
+            # bf16 or 8 bits, whose blocks span the whole unit).
+            m, v = (torch.zeros(weights.numel()) for _ in range(2))
             optimizer.state[states.master_params[index]]["step"].fill_(optimizer_step)
             for name, start, numel, offset in unit_pieces:
-                for key, tensor in tensors.items():
-                    if key != "master" and not moments:
-                        continue
-                    source = master if key == "master" else key
-                    tensor[offset : offset + numel].copy_(full[name][source][start : start + numel])
+                span = slice(start, start + numel)
+                weights[offset : offset + numel].copy_(full[name][master][span])
+                if moments:
+                    m[offset : offset + numel] = full[name]["exp_avg"][span]
+                    v[offset : offset + numel] = full[name]["exp_avg_sq"][span]
+            engine.moment_codec.encode_into(m, v, tensors)
+
+
+def _warn_if_moments_convert(path, saved: dict, engine) -> None:
+    theirs, ours = saved.get("moments", "fp32"), engine.config.zero_offload.cpu_adam.states
+    if theirs != ours and saved.get("pieces"):
+        warnings.warn(
+            f"the checkpoint {path} keeps Adam's m and v in {theirs} and this run in {ours}: they are converted "
+            f"on load{', losing what ' + ours + ' cannot hold' if ours != 'fp32' else ''}",
+            stacklevel=4,
+        )
 
 
 def _restore_weights_only(engine, full: dict, saved: dict) -> None:

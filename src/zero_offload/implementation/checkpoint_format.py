@@ -1,8 +1,8 @@
 """What goes into a checkpoint's files (checkpoint.py describes the directory as a whole).
 
-A rank's file holds its pieces of the fp32 master weights and of Adam's m and v, each labelled with the
-parameter's name and where it starts in the flattened parameter, so that any world size or stage can put them
-back together; then what it takes to resume, and a CRC-32 per tensor. Only tensors and plain Python values go
+A rank's file holds its pieces of the fp32 master weights and of Adam's m and v (in the precision the host's
+Adam keeps them: module 4's `cpu_adam.states`), each labelled with the parameter's name and where it starts in
+the flattened parameter, so that any world size or stage can put them back together; then what it takes to resume, and a CRC-32 per tensor. Only tensors and plain Python values go
 in, so that `torch.load(weights_only=True)` can read it. meta.json repeats the summary in readable form.
 
 Under the delayed update (practice/dpu.py) a save can fall between an Adam that has run and its publish, which
@@ -27,6 +27,10 @@ from .durable import host_bytes
 FORMAT = "zero_offload.checkpoint/1"
 META = "meta.json"
 STATES = ("master", "exp_avg", "exp_avg_sq")
+# Module 4's 8-bit moments: each piece also holds the fp32 scales of the blocks it touches, and where in the
+# first of them it starts (tuning/moment_codec.py cuts and decodes them; m and v keep their stored dtype).
+SCALES = ("exp_avg_scale", "exp_avg_sq_scale")
+BLOCK_OFFSET = "block_offset"
 CLIENT_STATE = "client_state"  # the script's own values (engine.save_checkpoint(client_state=...))
 PUBLISHED = "published"  # the weights forward reads, in pieces of a checkpoint with a publish pending
 CHECKSUMS = "crc32"
@@ -76,16 +80,21 @@ def saved_param_groups(saved: dict) -> list[dict]:
     return saved.get("param_groups") or [{"params": sorted(saved["params"])}]
 
 
-def piece_keys(saved: dict) -> tuple[str, ...]:
-    """The tensors each piece of rank file `saved` holds."""
-    return (*STATES, PUBLISHED) if saved.get("publish_pending") else STATES
+def piece_keys(saved: dict, piece: dict | None = None) -> tuple[str, ...]:
+    """The tensors that each piece of rank file `saved` holds with as many elements as its master; with
+    `piece`, also the block scales it holds (8-bit moments)."""
+    keys = (*STATES, PUBLISHED) if saved.get("publish_pending") else STATES
+    return keys if piece is None else (*keys, *(key for key in SCALES if key in piece))
 
 
 def _optimizer_tensors(engine, index: int) -> dict[str, torch.Tensor]:
-    """master_params[index] and its moments, as the optimizer holds them (its own buffers, not copies)."""
+    """master_params[index] and its moments, as the optimizer holds them (its own buffers, not copies), and
+    the 8-bit moments' block scales."""
     master = engine.states.master_params[index]
     state = engine.optimizer.state[master]
-    return {"master": master, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+    tensors = {"master": master, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+    tensors.update({key: state[key] for key in SCALES if key in state})
+    return tensors
 
 
 def units_of(engine, *, write: bool = False):
@@ -120,9 +129,10 @@ def rank_state(engine, client_state=None) -> dict:
                 tensors = {**tensors, PUBLISHED: engine.states.param_shards[index].float()}
             for name, start, numel, offset in unit_pieces:
                 piece = {"start": start}
-                for key in tensors:
+                for key, value in engine.moment_codec.cut_piece(tensors, offset, numel).items():
                     # A copy of just the piece: saving a view would write its whole storage (the flat buffer).
-                    piece[key] = tensors[key][offset : offset + numel].detach().to("cpu", copy=True)
+                    is_tensor = isinstance(value, torch.Tensor)
+                    piece[key] = value.detach().to("cpu", copy=True) if is_tensor else value
                 pieces.setdefault(name, []).append(piece)
     entries = model_entries(model)
     # Buffers and frozen weights are the same on every rank (data parallelism): rank 0 saves them.
@@ -134,6 +144,8 @@ def rank_state(engine, client_state=None) -> dict:
         "world_size": comm.world_size,
         "stage": stage,
         "precision": engine.config.precision,
+        # How the host's Adam stored m and v (module 4): a run with other moments converts them on load.
+        "moments": engine.config.zero_offload.cpu_adam.states,
         "fingerprint": engine.config.fingerprint(),
         "config": engine.config.to_dict(),
         "params": {name: list(p.shape) for name, p in model.named_parameters() if p.requires_grad},
@@ -170,7 +182,7 @@ def saved_tensors(state: dict) -> dict[str, torch.Tensor]:
         f"{name} piece {i} {key}": piece[key]
         for name, pieces in state["pieces"].items()
         for i, piece in enumerate(pieces)
-        for key in piece_keys(state)
+        for key in piece_keys(state, piece)
     }
     found.update({f"buffer {key}": tensor for key, tensor in state["extras"].items()})
     found.update({f"rng {key}": t for key, t in state["rng"].items() if isinstance(t, torch.Tensor)})
@@ -240,6 +252,7 @@ def meta_summary(engine, state: dict) -> dict:
         "world_size": state["world_size"],
         "stage": state["stage"],
         "precision": state["precision"],
+        "moments": state["moments"],
         "fingerprint": state["fingerprint"],
         "num_parameters": sum(math.prod(shape) for shape in state["params"].values()),
         "global_steps": state["global_steps"],

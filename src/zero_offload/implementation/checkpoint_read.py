@@ -190,8 +190,13 @@ def read_rank_files(path) -> list[dict]:
     return files
 
 
-def assemble(path, files: list[dict], keys: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
-    """Whole flattened fp32 tensors per parameter name, put together from every rank's pieces."""
+def assemble(
+    path, files: list[dict], keys: tuple[str, ...], decode=None
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Whole flattened fp32 tensors per parameter name, put together from every rank's pieces.
+
+    `decode(piece)`: the fp32 m and v of a piece whose moments are stored below fp32 (module 4's
+    tuning/moment_codec.py: 8-bit codes need their block scales); None reads only what is fp32 or bf16."""
     shapes = files[0]["params"]
     full = {name: {k: torch.zeros(math.prod(shape)) for k in keys} for name, shape in shapes.items()}
     spans: dict[str, list[tuple[int, int, int]]] = {name: [] for name in shapes}
@@ -203,12 +208,30 @@ def assemble(path, files: list[dict], keys: tuple[str, ...]) -> dict[str, dict[s
                     raise CheckpointError(
                         f"{path}: rank {saved['rank']} holds a piece of {name} that does not fit; {_EDITED}"
                     )
+                values = _decoded(path, saved, name, piece, keys, decode)
                 for key in keys:
-                    full[name][key][start : start + numel] = piece[key]
+                    full[name][key][start : start + numel] = values[key]
                 spans[name].append((start, start + numel, saved["rank"]))
     for name, shape in shapes.items():
         _check_coverage(path, name, math.prod(shape), spans[name])
     return full
+
+
+def _decoded(path, saved: dict, name: str, piece: dict, keys: tuple[str, ...], decode) -> dict:
+    moments = [key for key in ("exp_avg", "exp_avg_sq") if key in keys]
+    if not moments or piece[moments[0]].dtype in (torch.float32, torch.bfloat16):
+        return piece  # fp32, or bf16 (which fp32 holds exactly)
+    if decode is None:
+        raise CheckpointError(
+            f"{path}: the 8-bit moments of {name} need their decoder (tuning/moment_codec.py)"
+        )
+    try:
+        return {**piece, **decode(piece)}
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"{path}: rank {saved['rank']}'s piece of {name} does not hold readable 8-bit moments ({err}); "
+            f"{_EDITED}"
+        ) from None
 
 
 def _check_coverage(path, name: str, numel: int, spans: list[tuple[int, int, int]]) -> None:

@@ -14,30 +14,48 @@ from collections.abc import Callable
 import torch
 
 from ..accelerator import Accelerator
-from ..basics.memory import held_bytes
+from ..basics.memory import MOMENT_DTYPES, held_bytes, moment_scales
 from ..principles.device_buffers import device_weights, split_flat
 from ..principles.partition import Unit
 from .transfers import host_buffer
 
 
 class HostOptimizerStates:
-    """The host units' fp32 master weights and Adam's m and v, each one flat host buffer cut into units."""
+    """The host units' fp32 master weights and Adam's m and v, each one flat host buffer cut into units.
+
+    `moments` ("fp32", "bf16" or "int8"; module 4's `zero_offload.cpu_adam.states`): how m and v are stored
+    (basics/memory.py's MOMENT_DTYPES). int8 moments also keep one fp32 scale per block of each unit, in two
+    more flat buffers (`exp_avg_scales`, `exp_avg_sq_scales`: a unit's scales, or None for fp32 and bf16). The
+    master stays fp32 whatever the moments are: its small updates are what training is made of."""
 
     # The masters stay in host memory: fp32 training can upload from a master itself, with no staging copy.
     masters_stay_in_memory = True
 
-    def __init__(self, accel: Accelerator, sizes: list[int], *, pin: bool):
-        self.master, self.exp_avg, self.exp_avg_sq = (
-            host_buffer(accel, sum(sizes), torch.float32, pin=pin) for _ in range(3)
-        )
+    def __init__(self, accel: Accelerator, sizes: list[int], *, pin: bool, moments: str = "fp32"):
+        self.moments = moments
+        m_dtype, v_dtype = MOMENT_DTYPES[moments]
+        # Zeroed: zero codes with zero scales are zero moments in every precision, the first step's.
+        self.master = host_buffer(accel, sum(sizes), torch.float32, pin=pin)
+        self.exp_avg = host_buffer(accel, sum(sizes), m_dtype, pin=pin)
+        self.exp_avg_sq = host_buffer(accel, sum(sizes), v_dtype, pin=pin)
         self.master_params = split_flat(self.master, sizes)
         self.exp_avgs = split_flat(self.exp_avg, sizes)
         self.exp_avg_sqs = split_flat(self.exp_avg_sq, sizes)
+        # Blocks are counted from each unit's first element: the C Adam updates one unit per call.
+        counts = [moment_scales(size, moments) for size in sizes]
+        self.scales = None  # (exp_avg's, exp_avg_sq's) flat scale buffers, int8 only
+        self.exp_avg_scales = self.exp_avg_sq_scales = [None] * len(sizes)
+        if sum(counts):
+            self.scales = tuple(host_buffer(accel, sum(counts), torch.float32, pin=pin) for _ in range(2))
+            self.exp_avg_scales, self.exp_avg_sq_scales = (split_flat(flat, counts) for flat in self.scales)
 
     def record(self, ledger) -> None:
         ledger.record("master_weights", self.master)
         ledger.record("exp_avg", self.exp_avg)
         ledger.record("exp_avg_sq", self.exp_avg_sq)
+        if self.scales is not None:  # a moment's scales are part of it
+            ledger.record("exp_avg", self.scales[0])
+            ledger.record("exp_avg_sq", self.scales[1])
 
 
 def host_unit_split(units: list[Unit], host_units: int | None) -> int:
@@ -55,7 +73,8 @@ class HostBuffers:
     `host_units`: how many leading units are updated on the host (None: all). `offload_param` (stage 3): the
     fp16/bf16 weight shards on the host too. `pipelined`: module 5's pipeline stages the gradients through
     slots of its own, so there is no full-size gradient staging buffer. `host_optimizer(sizes)`: the host
-    units' fp32 master, m and v (None: HostOptimizerStates)."""
+    units' fp32 master, m and v (None: HostOptimizerStates). `moments`: how the host units' m and v are stored
+    (module 4); units kept on the device keep fp32 moments, for torch's Adam there."""
 
     def __init__(
         self,
@@ -70,8 +89,9 @@ class HostBuffers:
         pin_optimizer: bool = False,
         pipelined: bool = False,
         host_optimizer: Callable[[list[int]], HostOptimizerStates] | None = None,
+        moments: str = "fp32",
     ):
-        self.accel, self.dtype = accel, dtype
+        self.accel, self.dtype, self.moments = accel, dtype, moments
         self.offload_param, self.pin_optimizer = offload_param, pin_optimizer
         self.host_units = host_unit_split(units, host_units)
         sizes = [u.shard_numel for u in units]
@@ -117,6 +137,8 @@ class HostBuffers:
         self.master_params = optimizer.master_params + on_device
         self.exp_avgs = optimizer.exp_avgs + split_flat(self.device_exp_avg, device)
         self.exp_avg_sqs = optimizer.exp_avg_sqs + split_flat(self.device_exp_avg_sq, device)
+        self.exp_avg_scales = optimizer.exp_avg_scales + [None] * len(device)
+        self.exp_avg_sq_scales = optimizer.exp_avg_sq_scales + [None] * len(device)
         # What publish() uploads from: the host shard itself (offload_param), the fp32 master (fp32 training,
         # while it stays in memory), or else a staging buffer of its own in the training precision.
         from_master = self.dtype == torch.float32 and optimizer.masters_stay_in_memory
@@ -129,7 +151,7 @@ class HostBuffers:
             self.param_staging = split_flat(self._host(sum(host), self.dtype), host)
 
     def _host_optimizer(self, sizes: list[int]) -> HostOptimizerStates:
-        return HostOptimizerStates(self.accel, sizes, pin=self.pin_optimizer)
+        return HostOptimizerStates(self.accel, sizes, pin=self.pin_optimizer, moments=self.moments)
 
     # -- what the memory report counts ------------------------------------------------------------------------
     def record(self, ledger) -> None:

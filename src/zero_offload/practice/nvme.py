@@ -1,9 +1,10 @@
 """The NVMe tier: the fp32 optimizer states live in files, and only a few sub-groups in host memory at a time.
 
 With `"offload_optimizer": {"device": "nvme", "nvme_path": DIR}` this rank's optimizer partition (fp32 master
-weights, Adam's m and v: 12 bytes a parameter) leaves host memory for three files per sub-group under
-DIR/zero_offload_rank<R>/. The host keeps the fp32 gradient partition, the staging buffers publish() uploads,
-and `buffer_count` slots, each the size of the largest sub-group.
+weights, Adam's m and v: 12 bytes a parameter; 8 or 6 with module 4's bf16 or 8-bit moments) leaves host memory
+for three files per sub-group under DIR/zero_offload_rank<R>/ (five with 8-bit moments: their block scales).
+The host keeps the fp32 gradient partition, the staging buffers publish() uploads, and `buffer_count` slots,
+each the size of the largest sub-group.
 
 Sub-groups are whole units (the parameters of one module, principles/partition.py) packed in model order up to
 `sub_group_size` elements; a unit larger than that is a sub-group of its own. Whole units keep the step bit for
@@ -39,6 +40,7 @@ from pathlib import Path
 import torch
 
 from ..accelerator import Accelerator
+from ..basics.memory import MOMENT_DTYPES, moment_scales
 from ..implementation.offload import OffloadedStates
 from ..implementation.transfers import host_buffer
 from ..implementation.updaters import Update
@@ -49,7 +51,15 @@ from .nvme_files import STATES, NVMeError, NVMePathError, SwapFiles, os_error
 
 __all__ = ["STATES", "NVMeError", "NVMePathError", "NVMeSlots", "NVMeStates", "SwapFiles", "sub_groups"]
 
-_LEDGER_NAMES = ("master_weights", "exp_avg", "exp_avg_sq")
+# The memory report's name for each file's state: a moment's block scales are part of it.
+_LEDGER_NAMES = {
+    "master": "master_weights",
+    "exp_avg": "exp_avg",
+    "exp_avg_sq": "exp_avg_sq",
+    "exp_avg_scale": "exp_avg",
+    "exp_avg_sq_scale": "exp_avg_sq",
+}
+SCALE_STATES = ("exp_avg_scale", "exp_avg_sq_scale")
 
 
 def sub_groups(sizes: list[int], limit: int) -> list[range]:
@@ -95,10 +105,26 @@ class NVMeSlots:
         buffer_count: int,
         sub_group_size: int,
         pin: bool,
+        moments: str = "fp32",
     ):
         self.groups = sub_groups(sizes, sub_group_size)
-        numels = [sum(sizes[i] for i in group) for group in self.groups]
-        self.files = SwapFiles(nvme_path, comm.rank, numels)
+        m_dtype, v_dtype = MOMENT_DTYPES[moments]
+        # Each state's elements per unit: module 4's 8-bit moments add one fp32 scale per block of each unit.
+        scales = [moment_scales(size, moments) for size in sizes]
+        layout = {
+            "master": (torch.float32, sizes),
+            "exp_avg": (m_dtype, sizes),
+            "exp_avg_sq": (v_dtype, sizes),
+        }
+        if sum(scales):
+            layout.update({key: (torch.float32, scales) for key in SCALE_STATES})
+        self.states = tuple(layout)
+        per_group = {key: [sum(n[i] for i in g) for g in self.groups] for key, (_, n) in layout.items()}
+        self.files = SwapFiles(
+            nvme_path,
+            comm.rank,
+            {key: [n * layout[key][0].itemsize for n in numels] for key, numels in per_group.items()},
+        )
         error = None
         try:
             self.files.prepare()
@@ -109,26 +135,32 @@ class NVMeSlots:
         except NVMeError:
             self.files.remove()  # these states will not exist: nothing would close them
             raise
-        self.slots, self.slot_numel = min(buffer_count, len(self.groups)), max(numels)
+        self.slots = min(buffer_count, len(self.groups))
+        self.slot_numel = max(per_group["master"])
         # One flat buffer per state, cut into slots: what the ledger counts as host memory for the states.
-        flat = [host_buffer(accel, self.slots * self.slot_numel, torch.float32, pin=pin) for _ in STATES]
-        self.master, self.exp_avg, self.exp_avg_sq = flat
-        self.group_views = []  # per sub-group: its range of each state's slot
-        lists = self.master_params, self.exp_avgs, self.exp_avg_sqs = [], [], []
-        for g, (group, numel) in enumerate(zip(self.groups, numels, strict=True)):
-            base = (g % self.slots) * self.slot_numel
-            views = [buffer[base : base + numel] for buffer in flat]
+        self.flat = {}
+        self.group_views = []  # per sub-group: its range of each state's slot, in the order of self.states
+        for key, (dtype, _) in layout.items():
+            self.flat[key] = host_buffer(accel, self.slots * max(per_group[key]), dtype, pin=pin)
+        self.master, self.exp_avg, self.exp_avg_sq = (self.flat[key] for key in STATES)
+        units = {key: [] for key in layout}  # per state, each unit's view
+        for g, group in enumerate(self.groups):
+            views = []
+            for key, (_, numels) in layout.items():
+                base, numel = (g % self.slots) * max(per_group[key]), per_group[key][g]
+                views.append(self.flat[key][base : base + numel])
+                units[key].extend(split_flat(views[-1], [numels[i] for i in group]))
             self.group_views.append(views)
-            for out, view in zip(lists, views, strict=True):
-                out.extend(split_flat(view, [sizes[i] for i in group]))
+        self.master_params, self.exp_avgs, self.exp_avg_sqs = (units[key] for key in STATES)
+        none = [None] * len(sizes)
+        self.exp_avg_scales, self.exp_avg_sq_scales = (units.get(key, none) for key in SCALE_STATES)
 
     def record(self, ledger) -> None:
-        ledger.record("master_weights", self.master)  # the slots count as host memory for master, m and v
-        ledger.record("exp_avg", self.exp_avg)
-        ledger.record("exp_avg_sq", self.exp_avg_sq)
+        for key, flat in self.flat.items():  # the slots count as host memory for master, m and v
+            ledger.record(_LEDGER_NAMES[key], flat)
         for g in range(len(self.groups)):
-            for name, state in zip(_LEDGER_NAMES, STATES, strict=True):
-                ledger.record_file(name, self.files.path(g, state))
+            for key in self.states:
+                ledger.record_file(_LEDGER_NAMES[key], self.files.path(g, key))
 
 
 class NVMeStates(OffloadedStates):
@@ -149,6 +181,7 @@ class NVMeStates(OffloadedStates):
             buffer_count=options.buffer_count,
             sub_group_size=zero.sub_group_size,
             pin=options.pin_memory,
+            moments=kwargs.get("moments", "fp32"),  # module 4: m and v in fp32, bf16 or 8 bits
         )
         # The model's fp32 values, kept until the files hold them (ShardedStates rebinds the parameters).
         initial = {id(p): p.detach() for p in model.parameters()}
@@ -183,8 +216,14 @@ class NVMeStates(OffloadedStates):
             for g, group in enumerate(self.groups):
                 for index in group:
                     fill_shard(values[index], self.units[index], self.master_params[index])
-                    self.exp_avgs[index].zero_()
-                    self.exp_avg_sqs[index].zero_()
+                    for moment in (
+                        self.exp_avgs,
+                        self.exp_avg_sqs,
+                        self.exp_avg_scales,
+                        self.exp_avg_sq_scales,
+                    ):
+                        if moment[index] is not None:  # zero codes with zero scales: zero moments
+                            moment[index].zero_()
                 self._round(group)
                 self.files.commit(self._write_group(g))
         except NVMeError as err:
@@ -197,7 +236,7 @@ class NVMeStates(OffloadedStates):
 
     # -- moving sub-groups ----------------------------------------------------------------------------------
     def _read_group(self, g: int) -> None:
-        for state, view in zip(STATES, self.swap.group_views[g], strict=True):
+        for state, view in zip(self.swap.states, self.swap.group_views[g], strict=True):
             try:
                 self.files.read(g, state, view)
             except OSError as err:
@@ -206,7 +245,7 @@ class NVMeStates(OffloadedStates):
     def _write_group(self, g: int) -> list[tuple[Path, Path, int]]:
         written = []
         try:
-            for state, view in zip(STATES, self.swap.group_views[g], strict=True):
+            for state, view in zip(self.swap.states, self.swap.group_views[g], strict=True):
                 written.append(self.files.write(g, state, view))
         except BaseException as err:
             self.files.discard(written)

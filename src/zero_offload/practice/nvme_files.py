@@ -24,7 +24,8 @@ from ..implementation.durable import fsync_dir, host_bytes, write_temp
 from ..units import format_bytes
 from .nvme_lock import LockedError, SwapLock
 
-STATES = ("master", "exp_avg", "exp_avg_sq")  # one file each per sub-group
+# One file each per sub-group; module 4's 8-bit moments add a file of block scales per moment.
+STATES = ("master", "exp_avg", "exp_avg_sq")
 _KEY = "zero_optimization.offload_optimizer.nvme_path"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW  # a new file of ours, never one already there
@@ -60,11 +61,14 @@ def os_error(err: OSError, doing: str, path, kind: type[NVMeError] = NVMeError) 
 
 
 class SwapFiles:
-    """One rank's files: subgroup<g>.<state>, each holding exactly numels[g] fp32 values, and their checksums."""
+    """One rank's files: subgroup<g>.<state>, each holding exactly file_bytes[state][g] bytes, and their
+    checksums. `file_bytes`: per state (master, m, v, and the scales of 8-bit moments), the size of each
+    sub-group's file."""
 
-    def __init__(self, root: str, rank: int, numels: list[int]):
+    def __init__(self, root: str, rank: int, file_bytes: dict[str, list[int]]):
         self.dir = Path(root) / f"zero_offload_rank{rank}"
-        self.numels = numels
+        self.file_bytes = file_bytes
+        self.numels = [nbytes // 4 for nbytes in file_bytes["master"]]  # the fp32 masters: one per parameter
         self.lock = SwapLock(self.dir.with_name(f"{self.dir.name}.lock"))
         self.crcs: dict[Path, int] = {}  # what each file held when this process put it in place
         self.created: set[Path] = set()  # all that remove() may delete
@@ -114,7 +118,7 @@ class SwapFiles:
             raise os_error(err, "create the lock file", self.lock.path, NVMePathError) from None
 
     def _check_space(self) -> None:
-        paths = {self.path(g, state) for g in range(len(self.numels)) for state in STATES}
+        paths = {self.path(g, state) for state, sizes in self.file_bytes.items() for g in range(len(sizes))}
         others = sorted(p.name for p in self.dir.iterdir() if p.name.startswith(("subgroup", ".subgroup")))
         others = [name for name in others if self.dir / name not in paths]
         if others:  # an earlier run's: another sub-group layout, or the temporaries of a crash
@@ -123,7 +127,7 @@ class SwapFiles:
                 "left alone and take space: remove them if no other job uses them",
                 stacklevel=2,
             )
-        files = 4 * len(STATES) * sum(self.numels)
+        files = sum(sum(sizes) for sizes in self.file_bytes.values())
         # Every file exists twice between a step's writes and its replacements; files of an earlier run at our
         # names are replaced, so their space counts as free.
         need = 2 * files
@@ -132,7 +136,7 @@ class SwapFiles:
         if free < need:
             raise NVMePathError(
                 f"not enough free space for the NVMe tier in {self.dir}: it needs {need:,} bytes "
-                f"({format_bytes(need)}: {format_bytes(files)} of fp32 master weights, m and v for "
+                f"({format_bytes(need)}: {format_bytes(files)} of fp32 master weights and Adam's m and v for "
                 f"{sum(self.numels):,} parameters, twice while a step replaces them), and {free:,} bytes "
                 f"({format_bytes(free)}) are free; free {format_bytes(need - free)} or choose another {_KEY}"
             )

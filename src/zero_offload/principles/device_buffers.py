@@ -72,6 +72,8 @@ class DeviceBuffers:
         self.exp_avg_sq = accel.zeros(sum(shard_sizes), torch.float32, category="optimizer_states")
         self.exp_avgs = split_flat(self.exp_avg, shard_sizes)
         self.exp_avg_sqs = split_flat(self.exp_avg_sq, shard_sizes)
+        # fp32 moments have no scales; module 4's int8 moments on the host keep one per block.
+        self.exp_avg_scales = self.exp_avg_sq_scales = [None] * len(shard_sizes)
 
     def record(self, ledger) -> None:
         ledger.record("parameters", self.flat_param)

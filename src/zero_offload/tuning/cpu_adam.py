@@ -267,6 +267,7 @@ class CPUAdam(torch.optim.Optimizer):
                     step=int(state["step"]), lr=group["lr"], betas=group["betas"], eps=group["eps"],
                     weight_decay=group["weight_decay"], adamw=group["adamw"],
                     bias_correction=group["bias_correction"], variant=self.variant, threads=self.threads,
+                    exp_avg_scale=state.get("exp_avg_scale"), exp_avg_sq_scale=state.get("exp_avg_sq_scale"),
                 )  # fmt: skip
         return loss
 
@@ -286,6 +287,7 @@ def one_pass_update(
         step=int(state["step"]), lr=group["lr"], betas=group["betas"], eps=group["eps"],
         weight_decay=group["weight_decay"], adamw=group["adamw"], bias_correction=group["bias_correction"],
         grad_scale=clip_factor, out=out, variant=optimizer.variant, threads=optimizer.threads, row_squares=rows,
+        exp_avg_scale=state.get("exp_avg_scale"), exp_avg_sq_scale=state.get("exp_avg_sq_scale"),
     )  # fmt: skip
     return squared_norm_of_rows(rows) if norm else None
 

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ..basics.memory import ModelStateBytes, estimate_model_states
+from ..basics.memory import ModelStateBytes, estimate_model_states, moment_bytes
 from ..implementation.offload import adam_step
 from ..implementation.updaters import Update
 
@@ -53,13 +53,19 @@ class DevicePartUpdater:
 
 
 def estimate_partial_offload(
-    num_params: int, *, stage: int, world_size: int, precision: str, host_fraction: float
+    num_params: int,
+    *,
+    stage: int,
+    world_size: int,
+    precision: str,
+    host_fraction: float,
+    moments: str = "fp32",
 ) -> ModelStateBytes:
     """`estimate_model_states` with offload_optimizer "cpu", then the device's share moved back to the device.
 
     Per element kept on the device: its gradient stays in the training precision (2 or 4 bytes) instead of the
     host's fp32 copy, and master weight (none in fp32: the device weights are their own master), m and v sit
-    in device memory.
+    in device memory. `moments`: the host's m and v ("bf16", "int8"); the device's stay fp32, for torch's Adam.
     """
     result = estimate_model_states(
         num_params, stage=stage, world_size=world_size, offload_optimizer="cpu", precision=precision
@@ -72,6 +78,9 @@ def estimate_partial_offload(
     for state, (host_bytes, device_bytes) in moved.items():
         result.add(state, "host", -host_bytes * on_device)
         result.add(state, "device", device_bytes * on_device)
+    if moments != "fp32":  # what stays on the host of m and v, in its own precision
+        for state in ("exp_avg", "exp_avg_sq"):
+            result.bytes[state]["host"] = moment_bytes(shard - on_device, moments)
     return result
 
 
@@ -100,6 +109,7 @@ def estimate_for_config(config, num_params: int, states) -> ModelStateBytes:
             world_size=config.world_size,
             precision=config.precision,
             host_fraction=states.host_fraction,
+            moments=config.zero_offload.cpu_adam.states,
         )
     return estimate_model_states(
         num_params,
@@ -108,4 +118,5 @@ def estimate_for_config(config, num_params: int, states) -> ModelStateBytes:
         offload_optimizer=zero.offload_optimizer.device,
         offload_param=zero.offload_param.device,
         precision=config.precision,
+        moments=config.zero_offload.cpu_adam.states,
     )
