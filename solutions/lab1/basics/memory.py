@@ -168,6 +168,21 @@ def moment_bytes(numel: int, precision: str = "fp32") -> int:
     return {"fp32": 4, "bf16": 2}[precision] * numel
 
 
+# How the engine stores each moment precision: the dtypes of exp_avg and exp_avg_sq (int8 v holds unsigned codes
+# of sqrt(v), module 4's tuning/state_precision.py), and whether each unit has one fp32 scale per block.
+MOMENT_DTYPES = {
+    "fp32": (torch.float32, torch.float32),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "int8": (torch.int8, torch.uint8),
+}
+
+
+def moment_scales(numel: int, precision: str) -> int:
+    """The fp32 scales one moment of `numel` elements keeps: one per block of QUANT_BLOCK in int8, else none."""
+    _check_choice("moments", precision, MOMENT_PRECISIONS)
+    return math.ceil(numel / QUANT_BLOCK) if precision == "int8" else 0
+
+
 def pinned_block_bytes(nbytes: int) -> int:
     """What torch's pinned-memory caching allocator really takes for a request of `nbytes`: the next power of
     two, so that freed blocks fit later requests (ATen's CachingHostAllocator, torch 2.13). A 300 MB pinned

@@ -246,6 +246,8 @@ class MixedPrecisionStates:
         self.master_params, self.exp_avgs, self.exp_avg_sqs = (
             list(flat.split(self.master_lengths)) for flat in (self.master, self.exp_avg, self.exp_avg_sq)
         )
+        # fp32 moments have no scales (the host's int8 moments of module 4 keep one per block).
+        self.exp_avg_scales = self.exp_avg_sq_scales = [None] * len(self.master_lengths)
 
     @contextlib.contextmanager
     def gathered(self, params=None, *, modifier_rank: int | None = None):

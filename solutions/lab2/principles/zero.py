@@ -177,6 +177,7 @@ class ShardedStates:
         self.master, self.master_params = buffers.master, buffers.master_params
         self.exp_avg, self.exp_avg_sq = buffers.exp_avg, buffers.exp_avg_sq
         self.exp_avgs, self.exp_avg_sqs = buffers.exp_avgs, buffers.exp_avg_sqs
+        self.exp_avg_scales, self.exp_avg_sq_scales = buffers.exp_avg_scales, buffers.exp_avg_sq_scales
 
     def _split(self, flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         return split_flat(flat, sizes)

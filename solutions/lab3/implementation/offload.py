@@ -170,7 +170,8 @@ class OffloadedStates(ShardedStates):
 
     Every unit's optimizer states and gradients live on the host. Module 4's partial offload
     (tuning/partial.py, host_unit_count) passes `host_units`: only that many leading units there and the others
-    on the device, as ZeRO-2 would; the code below handles both. Where each buffer is allocated, and how the memory
+    on the device, as ZeRO-2 would; the code below handles both. Module 4 may also store the host's m and v
+    below fp32 (`moments`: "bf16" or "int8", for its C Adam). Where each buffer is allocated, and how the memory
     report counts it, is `self.buffers`, a host_buffers.HostBuffers; `host_optimizer` (module 5's NVMe tier)
     replaces the host units' fp32 master, m and v in it.
     """
@@ -189,6 +190,7 @@ class OffloadedStates(ShardedStates):
         host_units: int | None = None,
         host_optimizer=None,
         group_of: dict[int, int] | None = None,
+        moments: str = "fp32",
     ):
         placement = functools.partial(
             HostBuffers,
@@ -202,6 +204,7 @@ class OffloadedStates(ShardedStates):
             # Module 5's pipeline stages gradients through slots of its own: no full-size staging buffer here.
             pipelined=pipelined,
             host_optimizer=host_optimizer,
+            moments=moments,  # module 4: the host's m and v in fp32, bf16 or 8 bits
         )
         # Gradients leave the device as backward makes them, at every stage.
         super().__init__(
