@@ -200,3 +200,30 @@ def test_the_predicted_cpu_step_grows_with_parameters_and_with_tensors(hw):
     elements = replace(hw, cpu_adam_step_seconds=0.0, cpu_adam_call_seconds=0.0)
     per_param = [cpu_step(elements, n, 1) / n for n in SIZES]
     assert all(b >= a * (1 - 1e-12) for a, b in zip(per_param, per_param[1:], strict=False))
+
+
+# -- module 4's narrow moments: fewer host bytes, fewer bytes a CPU step moves ------------------------------------
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_narrow_moments_shrink_the_hosts_states_and_the_cpu_step_by_their_bytes(moments):
+    wl, narrow = Workload(13 * B), Workload(13 * B, moments=moments)
+    for stage, offload in ((2, "optimizer"), (3, "optimizer+param")):
+        wide, small = plan(ONE_A100, wl, stage, offload), plan(ONE_A100, narrow, stage, offload)
+        expected = estimate_model_states(wl.params, stage=stage, offload_optimizer="cpu", moments=moments,
+                                         offload_param="cpu" if offload == "optimizer+param" else "none")  # fmt: skip
+        assert small.states.bytes == expected.bytes
+        assert small.states.device == wide.states.device  # the device keeps what it kept
+        # The pass from memory moves 28 bytes a parameter with fp32 moments (30 with the 16-bit copy): bf16
+        # takes 8 off it, int8 12 less 16/2048 for the scales.
+        saved = {"bf16": 8, "int8": 12 - 16 / 2048}[moments]
+        assert small.time.cpu_adam < wide.time.cpu_adam
+    cold = replace(ONE_A100, cpu_adam_cache_bytes=0)
+    wide_s = cpu_adam_seconds(cold, 1e9, 0, "fp16")
+    narrow_s = cpu_adam_seconds(cold, 1e9, 0, "fp16", moments)
+    assert narrow_s == pytest.approx(wide_s * (30 - saved) / 30, rel=1e-12)
+    # Device-only plans have no host moments to narrow.
+    assert plan(ONE_A100, narrow, 2, "none").states.bytes == plan(ONE_A100, wl, 2, "none").states.bytes
+
+
+def test_an_unknown_moment_precision_is_refused():
+    with pytest.raises(ValueError, match="moments must be one of fp32, bf16, int8"):
+        Workload(B, moments="int4")

@@ -46,6 +46,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch", type=int, default=1, help="micro-batch per GPU, in sequences")
     parser.add_argument("--seq", type=int, default=1024, help="sequence length in tokens")
     parser.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"])
+    parser.add_argument(
+        "--moments",
+        default="fp32",
+        choices=["fp32", "bf16", "int8"],
+        help="how the host's Adam stores m and v (zero_offload.cpu_adam.states): fewer host bytes, and a CPU "
+        "step modelled as memory-bound over fewer bytes",
+    )
     parser.add_argument("--recompute", action="store_true", help="with activation checkpointing")
     parser.add_argument(
         "--units", type=int, help="tensors the CPU Adam updates per step (default: 6 a layer)"
@@ -114,6 +121,7 @@ def run(args) -> int:
         batch=args.batch,
         seq_len=args.seq,
         precision=args.precision,
+        moments=args.moments,
         recompute=args.recompute,
         units=args.units,
     )

@@ -17,7 +17,9 @@ For a model of P parameters on a host with N GPUs (one rank each, shard = P / N)
              takes 1 / the rank's throughput: its threads' own speed, at most its share of its socket's
              (hardware.py: NUMA). One whose states are still in the last-level cache from the step before
              takes 1 / the cached speed; the share of them still cached falls linearly from all (tiny states)
-             to none (the host's states as large as the cache_bytes calibrate() measured).
+             to none (the host's states as large as the cache_bytes calibrate() measured). With m and v
+             stored in bf16 or 8 bits (Workload.moments) the pass from memory moves fewer bytes and is taken
+             to be that much faster (cpu_adam_seconds).
 
 Two schedules bound a real step. `serial` (this engine up to module 4) adds every part up: the gradients go
 down, then the CPU steps, then the weights go up, so down and up never run at once and PCIe counts
@@ -34,8 +36,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..basics.memory import ModelStateBytes, estimate_model_states
-from .bandwidth import ENGINE_FORM, STATE_BYTES
+from ..basics.memory import (
+    MOMENT_PRECISIONS,
+    QUANT_BLOCK,
+    ModelStateBytes,
+    estimate_model_states,
+    moment_bytes,
+)
+from .bandwidth import ENGINE_FORM, FORM_BYTES, STATE_BYTES
 from .hardware import ADAM_BYTES_PER_PARAM, PRESET_NAMES, PRESETS, Hardware, calibrate, hardware_preset
 from .parallel import Layout, activation_factor, bubble_share, dp_link_gb_per_s, model_parallel_seconds
 from .partial import estimate_partial_offload
@@ -64,12 +72,15 @@ class Workload:
     layers: int | None = None
     units: int | None = None  # tensors the CPU Adam updates, one call each; None: 6 per layer + 3
     bucket_numel: int = 500_000_000  # reduce_bucket_size: gradients wait in such buckets on the device
+    moments: str = "fp32"  # how the host's Adam stores m and v: "fp32", "bf16" or "int8" (cpu_adam.states)
 
     def __post_init__(self):
         if self.params < 1 or self.batch < 1 or self.seq_len < 1:
             raise ValueError("params, batch and seq_len must each be at least 1")
         if self.precision not in LOW_BYTES:
             raise ValueError(f"precision must be one of {', '.join(LOW_BYTES)}; got {self.precision!r}")
+        if self.moments not in MOMENT_PRECISIONS:
+            raise ValueError(f"moments must be one of {', '.join(MOMENT_PRECISIONS)}; got {self.moments!r}")
 
     def shape(self) -> tuple[int, int]:
         """(hidden, layers): a GPT block has 12 hidden^2 parameters; GPT-3's models keep hidden near 128 x layers."""
@@ -186,12 +197,28 @@ def cached_share(hw: Hardware, state_bytes: float) -> float:
     return min(1.0, max(0.0, 1 - state_bytes / hw.cpu_adam_cache_bytes))
 
 
-def cpu_adam_seconds(hw: Hardware, params_on_host: float, calls: int, precision: str = "fp32") -> float:
+def moment_bytes_saved(moments: str) -> tuple[float, float]:
+    """(traffic, held): bytes a parameter that m and v below fp32 take off the one-pass step's memory traffic
+    (each read and written) and off the states it holds: bf16 8 and 4, int8 about 12 and 6 (scales counted)."""
+    held = 8 - 2 * moment_bytes(QUANT_BLOCK, moments) / QUANT_BLOCK
+    return 2 * held, held
+
+
+def cpu_adam_seconds(
+    hw: Hardware, params_on_host: float, calls: int, precision: str = "fp32", moments: str = "fp32"
+) -> float:
     """One rank's CPU step: its start, its calls, and its parameters, at the cached speed for the share of
-    their states still in the cache and at the rank's throughput from memory for the rest."""
-    state_bytes = hw.gpus * params_on_host * STATE_BYTES[ENGINE_FORM[precision]]  # every rank's on this host
+    their states still in the cache and at the rank's throughput from memory for the rest.
+
+    With `moments` below fp32 the step from memory is taken to stay memory-bound and to speed up as its bytes
+    shrink (28 -> 20 -> about 16 a parameter with fp16 in and out): a model, which `make bench`'s "states"
+    section measures against."""
+    form = ENGINE_FORM[precision]
+    traffic_saved, held_saved = moment_bytes_saved(moments)
+    # every rank's states on this host
+    state_bytes = hw.gpus * params_on_host * (STATE_BYTES[form] - held_saved)
     share = cached_share(hw, state_bytes)
-    per_param = (1 - share) / hw.cpu_adam_rank_params_per_s()
+    per_param = (1 - share) / hw.cpu_adam_rank_params_per_s() * (1 - traffic_saved / FORM_BYTES[form])
     if share:
         per_param += share / hw.cpu_adam_cached_params_per_s
     return hw.cpu_adam_step_seconds + calls * hw.cpu_adam_call_seconds + params_on_host * per_param
@@ -202,12 +229,13 @@ def _model_states(
 ) -> ModelStateBytes:
     if 0 < ratio < 1:  # the engine's partial offload: the device keeps the rest of the optimizer (partial.py)
         return estimate_partial_offload(
-            params, stage=stage, world_size=dp, precision=wl.precision, host_fraction=ratio
-        )
+            params, stage=stage, world_size=dp, precision=wl.precision, host_fraction=ratio, moments=wl.moments
+        )  # fmt: skip
     return estimate_model_states(
         params, stage=stage, world_size=dp, precision=wl.precision,
         offload_optimizer="cpu" if ratio > 0 else "none",
         offload_param="cpu" if offload == "optimizer+param" else "none",
+        moments=wl.moments if ratio > 0 else "fp32",  # narrow moments are the host's (cpu_adam.states)
     )  # fmt: skip
 
 
@@ -269,7 +297,7 @@ def plan(
         comm=collectives / (dp_link_gb_per_s(hw, layout) * 1e9) if dp > 1 else 0.0,
         pcie_down=down / link,
         pcie_up=up / link,
-        cpu_adam=cpu_adam_seconds(hw, on_host, calls, wl.precision) if ratio > 0 else 0.0,
+        cpu_adam=cpu_adam_seconds(hw, on_host, calls, wl.precision, wl.moments) if ratio > 0 else 0.0,
         model_parallel=model_parallel_seconds(hw, wl, layout, low),
         bubble=compute * bubble_share(layout),
     )

@@ -32,7 +32,8 @@ def describe(hw: Hardware, wl: Workload) -> str:
         sockets = f" in {hw.sockets} sockets of {hw.host_memory_gb_per_s / hw.sockets:.3g}"
         per_socket = f", each rank its own socket's{spread}"
     return (
-        f"{wl.params / 1e9:.3g}B parameters ({layers} layers x hidden {hidden}), {wl.precision}, batch "
+        f"{wl.params / 1e9:.3g}B parameters ({layers} layers x hidden {hidden}), {wl.precision}"
+        f"{'' if wl.moments == 'fp32' else f' with {wl.moments} Adam moments on the host'}, batch "
         f"{wl.batch} x {wl.seq_len} tokens per GPU{recompute}\n"
         f"{hw.name}: {hw.gpus} GPU(s) of {gb(hw.gpu_memory)}, {hw.gpu_tflops:.4g} TFLOP/s x {hw.mfu:.0%} "
         f"MFU; host {gb(hw.host_memory)}, {hw.cpu_cores} cores, memory {hw.host_memory_gb_per_s:.3g} GB/s"
