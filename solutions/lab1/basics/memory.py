@@ -279,6 +279,15 @@ class MemoryReport:
     num_params: int
     # Offload: the fp16 host buffers gradients and weights pass through (not model states).
     host_staging: int = 0
+    # Elements of the fp32 master weights this rank keeps (its shard); 0: unknown, the model's count is used.
+    optimizer_numel: int = 0
+
+    def optimizer_bytes_per_param(self) -> dict[str, float]:
+        """Measured bytes of the fp32 master weights and Adam's m and v per parameter of this rank's shard, in
+        each tier: 12 with fp32 moments, 8 with bf16, about 6 with 8-bit ones and their scales (module 4)."""
+        states = ("master_weights", "exp_avg", "exp_avg_sq")
+        count = max(self.optimizer_numel or self.num_params, 1)
+        return {tier: sum(self.measured.bytes[s][tier] for s in states) / count for tier in TIERS}
 
     def __str__(self) -> str:
         lines = [
@@ -292,6 +301,12 @@ class MemoryReport:
             )
         if self.host_staging:
             lines.append(f"host staging buffers {format_bytes(self.host_staging)} (fp16 copies on their way)")
+        optimizer = self.optimizer_bytes_per_param()
+        for tier in (t for t in ("host", "nvme") if optimizer[t]):
+            lines.append(
+                f"optimizer states in {tier}: {optimizer[tier]:.3f} bytes a parameter of this rank's shard "
+                "(fp32 master, m and v)"
+            )
         budget = "unlimited" if self.device.capacity is None else format_bytes(self.device.capacity)
         lines.append(
             f"device now {format_bytes(self.device.in_use)}, peak {format_bytes(self.device.peak)}, "

@@ -389,6 +389,8 @@ class Engine:
             accelerator=self.accelerator.name,
             num_params=self.num_params,
             host_staging=self.states.host_staging_bytes(),
+            # This rank's fp32 master elements (its shard, padding included): what bytes a parameter count per.
+            optimizer_numel=sum(master.numel() for master in self.states.master_params),
         )
 
 
