@@ -76,6 +76,16 @@ def quantize_blocks(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.
     """fp32 `x` -> (codes, scales): per block, scale = the largest |x| and code = x x (top / scale) rounded to
     nearest even, top 127 (`signed`, int8 codes) or 255 (x >= 0, uint8 codes); x / scale x top where
     top / scale is infinite in fp32. A block of zeros: scale 0, codes 0."""
+    # BEGIN LAB 4.4: blockwise absmax codes of a moment, one scale a block
+    # rows = as_blocks(x.flatten()): one row per block of BLOCK elements, counted from element 0, the last
+    #   row padded with zeros (they change no block's largest |x|).
+    # The scales: each row's largest |x| (the value the top code stands for), one fp32 number a block.
+    # The top code: M_TOP = 127 when `signed` (m, int8 codes), V_TOP = 255 otherwise (sqrt(v) >= 0, uint8).
+    # A code: x * (top / scale) rounded to nearest, ties to even (torch.round does that), with top / scale
+    #   rounded once to fp32 as the C kernel does: divide(torch.full_like(rows, top), scale), a scale per row.
+    #   Where that quotient is inf in fp32 (a scale below ~1e-36), take divide(rows, scale) * top instead.
+    # A block of zeros: scale 0 and every code 0, without dividing by zero (no NaN may reach the codes).
+    # Return (the codes of x's x.numel() elements, flat, torch.int8 if signed else torch.uint8; the scales).
     rows = as_blocks(x.flatten())
     scales = rows.abs().amax(dim=1)
     top = M_TOP if signed else V_TOP
@@ -85,6 +95,7 @@ def quantize_blocks(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.
     codes = torch.where(scales[:, None] == 0, 0.0, torch.round(scaled))
     codes = codes.flatten()[: x.numel()]
     return codes.to(torch.int8 if signed else torch.uint8), scales
+    # END LAB 4.4
 
 
 def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:

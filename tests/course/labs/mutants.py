@@ -3,7 +3,7 @@
 MUTANTS maps a task id to a list of (name, code) pairs. The code replaces that task's whole marked
 region in the solution (markers included), written without indentation: it is indented to the
 region's level. Or the code is an (old, new) pair: `old` must occur exactly once in the task's region
-of the solution, and is replaced by `new` (lab 4's C mistakes are one expression each). For every mutant
+of the solution, and is replaced by `new` (lab 4's mistakes are one expression each). For every mutant
 the meta-test grades the solution with that one change and asserts that the task FAILS; other tasks
 may pass or fail. Example:
 
@@ -477,6 +477,22 @@ MUTANTS.update(
             ),
             ("the tail stops one short", ("a, i, end", "a, i, end - 1")),
             ("the tail runs to the end of the array, not of this chunk", ("a, i, end", "a, i, a->n")),
+        ],
+        "4.4": [
+            (
+                "one scale for the whole tensor, not one per block",
+                ("scales = rows.abs().amax(dim=1)", "scales = rows.abs().amax().expand(rows.shape[0])"),
+            ),
+            ("sqrt(v) quantized as signed, 127 codes", ("top = M_TOP if signed else V_TOP", "top = M_TOP")),
+            ("truncation instead of round to nearest even", ("torch.round(scaled)", "torch.trunc(scaled)")),
+            (
+                "ties rounded away from zero",
+                ("torch.round(scaled)", "torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)"),
+            ),
+            (
+                "top / scale used even where it overflows fp32",
+                ("torch.where(times.isinf(), divide(rows, safe) * top, rows * times)", "rows * times"),
+            ),
         ],
     }
 )

@@ -1,4 +1,7 @@
-"""Lab 4 (tuning 调优篇): graded tests. `make lab4` grades your C file, `make lab4 LAB_DIR=solutions` the reference.
+"""Lab 4 (tuning 调优篇): graded tests. `make lab4` grades your files, `make lab4 LAB_DIR=solutions` the reference.
+
+4.1-4.3 are in C (tuning/csrc/cpu_adam.c); 4.4 is in Python (tuning/state_precision.py, `quantize_blocks`) and
+is graded by the tests at the end of this file, on any machine.
 
 Your tuning/csrc/cpu_adam.c is compiled once per task, with the engine's own code standing in for the other two
 tasks' regions, so each task is graded on its own: an unfinished tail (4.3) cannot fail the vector loop (4.1), and
@@ -28,7 +31,7 @@ import torch
 
 from zero_offload.cli.grade import labkit
 from zero_offload.tuning import build as build_module
-from zero_offload.tuning import cpu_adam
+from zero_offload.tuning import cpu_adam, state_precision
 
 pytestmark = pytest.mark.lab4
 LEARNER = "tuning/csrc/cpu_adam.c"  # as the compiler names your file in its errors
@@ -418,3 +421,134 @@ def test_every_length_works_with_the_vector_loop(kernel):
 @pytest.mark.task("4.3")
 def test_every_length_works_in_the_portable_harness(portable_kernel):
     _every_length(portable_kernel)
+
+
+# ---------------------------------------------------------------------------------------------------- Lab 4.4
+# Your tuning/state_precision.py, quantize_blocks, against a trusted form: hand-computed blocks, and per block in
+# double precision scale = max |x|, code = x * top / scale, which your fp32 codes must round to nearest even.
+def _quantize(x: torch.Tensor, signed: bool):
+    codes, scales = state_precision.quantize_blocks(x, signed=signed)
+    want = torch.int8 if signed else torch.uint8
+    assert codes.dtype == want, f"the codes are {codes.dtype}, they should be {want} (signed={signed})"
+    assert codes.numel() == x.numel(), f"{codes.numel()} codes for {x.numel()} elements"
+    n_blocks = -(-x.numel() // 2048)
+    assert scales.numel() == n_blocks, f"{scales.numel()} scales for {x.numel()} elements: one per 2048"
+    return codes.flatten(), scales.flatten().float()
+
+
+def _exact(x: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of 2048, in double precision: the unrounded codes x * top / scale, and the scales."""
+    flat = x.flatten().double()
+    exact, scales = torch.zeros_like(flat), []
+    for start in range(0, flat.numel(), 2048):
+        block = flat[start : start + 2048]
+        scale = float(block.abs().max())
+        scales.append(scale)
+        if scale > 0:
+            exact[start : start + 2048] = block * top / scale
+    return exact, torch.tensor(scales, dtype=torch.float64)
+
+
+def _check_codes(x: torch.Tensor, signed: bool, case: str) -> None:
+    top = 127 if signed else 255
+    codes, scales = _quantize(x, signed)
+    exact, want_scales = _exact(x, top)
+    bad_scale = scales.double() != want_scales
+    if bool(bad_scale.any()):
+        b = int(bad_scale.nonzero()[0])
+        raise AssertionError(
+            f"{case}: block {b} (elements {2048 * b}...) has scale {float(scales[b]):.9g}, its largest |x| "
+            f"is {float(want_scales[b]):.9g}"
+        )
+    got = codes.double()
+    # Within a hair of a tie, fp32's x * (top / scale) may round the other way than exact arithmetic.
+    near_tie = (exact - exact.floor() - 0.5).abs() < 1e-4
+    wrong = (got != torch.round(exact)) & ~(near_tie & ((got - exact).abs() <= 0.5 + 1e-4))
+    if bool(wrong.any()):
+        k = int(wrong.nonzero()[0])
+        raise AssertionError(
+            f"{case}: element {k} = {float(x.flatten()[k]):.9g} (block {k // 2048}, scale "
+            f"{float(want_scales[k // 2048]):.9g}) has code {int(codes[k])}; x * {top} / scale = "
+            f"{float(exact[k]):.6f}, rounded to nearest even {int(torch.round(exact[k]))} "
+            f"({int(wrong.sum())} of {x.numel()} codes differ)"
+        )
+    # The round trip: each value comes back within half a code step of its block, scale / (2 * top).
+    per_element = want_scales.repeat_interleave(2048)[: x.numel()]
+    error = (x.flatten().double() - got * per_element / top).abs()
+    over = error > per_element / (2 * top) * (1 + 1e-4)
+    assert not bool(over.any()), f"{case}: {int(over.sum())} values come back further than scale / {2 * top}"
+
+
+def _moments(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """m-like and sqrt(v)-like values whose size changes from block to block (1e-6 ... 10)."""
+    gen = torch.Generator().manual_seed(seed)
+    size = 10.0 ** torch.randint(-6, 2, (-(-n // 2048),), generator=gen).float()
+    size = size.repeat_interleave(2048)[:n]
+    return torch.randn(n, generator=gen) * size, torch.rand(n, generator=gen) * size
+
+
+@pytest.mark.task("4.4")
+def test_hand_computed_blocks_round_to_nearest_even():
+    # Block 0: scale 127, so code = x exactly (127 / 127 = 1): ties 62.5 -> 62, 63.5 -> 64, 1.5 -> 2, 2.5 -> 2,
+    # -0.5 -> 0, -1.5 -> -2. Block 1: scale 2, 127 / 2 = 63.5: 1 -> 63.5 -> 64, -0.5 -> -31.75 -> -32. The tail
+    # (5 elements): scale 4, 127 / 4 = 31.75: 1 -> 31.75 -> 32, 0.1 -> 3.175 -> 3.
+    x = torch.zeros(2 * 2048 + 5)
+    x[:8] = torch.tensor([127.0, 62.5, 63.5, 1.5, 2.5, -0.5, -1.5, -127.0])
+    x[2048:2052] = torch.tensor([2.0, 1.0, -0.5, -2.0])
+    x[4096:4101] = torch.tensor([0.1, 1.0, -4.0, 0.0, 2.0])
+    codes, scales = _quantize(x, signed=True)
+    assert scales.tolist() == [127.0, 2.0, 4.0], (
+        f"the scales are {scales.tolist()}, one block's largest |x| each"
+    )
+    want = {0: 127, 1: 62, 2: 64, 3: 2, 4: 2, 5: 0, 6: -2, 7: -127, 8: 0, 2048: 127, 2049: 64, 2050: -32,
+            2051: -127, 4096: 3, 4097: 32, 4098: -127, 4099: 0, 4100: 64}  # fmt: skip
+    got = {k: int(codes[k]) for k in want}
+    assert got == want, f"codes (element: code) {got}, they should be {want}"
+    assert int(codes.abs().sum()) == sum(abs(c) for c in want.values()), "a zero element got a code"
+
+
+@pytest.mark.task("4.4")
+def test_sqrt_v_gets_unsigned_codes_up_to_255():
+    # sqrt(v) >= 0: all 256 codes for the range [0, scale], so 1/255 of the block's largest is code 1, not 0.
+    x = torch.zeros(2048)
+    x[:7] = torch.tensor([255.0, 1.0, 3.0, 0.5, 1.5, 254.5, 100.5])
+    codes, scales = _quantize(x, signed=False)
+    assert scales.tolist() == [255.0]
+    got = codes[:7].tolist()
+    assert got == [255, 1, 3, 0, 2, 254, 100], f"codes {got}: sqrt(v) uses 0...255 (x * 255 / scale)"
+    assert int(codes[7:].sum()) == 0
+    small = torch.full((2048,), 1e-3)
+    small[0] = 0.1
+    codes, _ = _quantize(small, signed=False)
+    assert int(codes[1]) == 3, f"1/100 of the block's largest has code {int(codes[1])}, 255 / 100 rounds to 3"
+
+
+@pytest.mark.task("4.4")
+def test_every_block_has_its_own_scale():
+    # One block of large values must not take the resolution of the others: blocks of 2048 from element 0.
+    for n, seed in ((1, 0), (2047, 1), (2048, 2), (2049, 3), (3 * 2048 + 77, 4), (20_000, 5)):
+        m, root_v = _moments(n, seed)
+        _check_codes(m, True, f"m, n={n}")
+        _check_codes(root_v, False, f"sqrt(v), n={n}")
+    m, _ = _moments(3 * 1000, 6)
+    _check_codes(m.view(3, 1000), True, "m of shape (3, 1000), blocks over the flat order")
+
+
+@pytest.mark.task("4.4")
+def test_zero_blocks_have_scale_zero_and_codes_zero():
+    for signed in (True, False):
+        codes, scales = _quantize(torch.zeros(2048 + 10), signed)
+        assert scales.tolist() == [0.0, 0.0] and int(codes.abs().sum()) == 0, "zeros: scales 0, codes 0"
+        x = torch.zeros(3 * 2048)
+        x[2048:4096] = torch.linspace(0.0, 1.0, 2048)  # zero blocks around one that is not
+        _check_codes(x, signed, f"a zero block on each side of another, signed={signed}")
+
+
+@pytest.mark.task("4.4")
+def test_tiny_blocks_still_get_full_codes():
+    # 127 / 1e-37 is beyond fp32's largest number (3.4e38): these blocks need the other order of operations.
+    for signed in (True, False):
+        x = torch.tensor([1e-37, 5e-38, 2.5e-38, 7e-38] * 512)
+        if signed:
+            x[1::2] *= -1
+        _check_codes(x, signed, f"a block whose largest |x| is 1e-37, signed={signed}")

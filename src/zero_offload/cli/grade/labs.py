@@ -41,10 +41,11 @@ LABS: dict[int, Lab] = {lab.number: lab for lab in (
         Task("3.2", "The offloaded Adam step over the flat partition", 25),
         Task("3.3", "Cast and upload the updated weights", 25),
         Task("3.4", "Overflow across ranks: skip everywhere, lose nothing", 25))),
-    Lab(4, "tuning", "调优篇 tuning: a SIMD CPU Adam kernel in C", True, (
-        Task("4.1", "The AVX2 FMA loop in fp32", 34),
-        Task("4.2", "The fp16 weight output with F16C", 33),
-        Task("4.3", "The scalar tail", 33))),
+    Lab(4, "tuning", "调优篇 tuning: a SIMD CPU Adam kernel in C, Adam's moments in 8 bits", True, (
+        Task("4.1", "The AVX2 FMA loop in fp32", 28),
+        Task("4.2", "The fp16 weight output with F16C", 24),
+        Task("4.3", "The scalar tail", 24),
+        Task("4.4", "Blockwise 8-bit codes of the moments", 24))),
     Lab(5, "practice", "实战篇 practice: overlapped transfers, delayed parameter update", True, (
         Task("5.1", "The double-buffered bucket schedule", 34),
         Task("5.2", "Event ordering so no buffer is overwritten early", 33),
