@@ -298,10 +298,10 @@ static int cpu_has_avx512(void) { return 0; }
 #endif
 
 /* ---------------------------------------------------------------------- moments stored in bf16 or 8 bits */
-/* A narrow state is never updated where it lies: each element's m and v are decoded to fp32, updated by the
- * fp32 arithmetic above, operation for operation, and encoded again. Memory sees only the narrow bytes, so a
- * step moves 20 bytes a parameter with bf16 moments and about 16 with int8, against fp32's 28: the narrow
- * loops are worth having only if they stay as close to memory as the fp32 loop does. That sets their shape.
+/* A narrow state is never updated where it lies: each element's m and v are decoded to fp32, updated in fp32,
+ * and encoded again. Memory sees only the narrow bytes, so a step moves 20 bytes a parameter with bf16 moments
+ * and about 16 with int8, against fp32's 28: the narrow loops are worth having only if they stay as close to
+ * memory as the fp32 loop does. That sets their shape: one pass, and as little arithmetic as the codes allow.
  *
  * bf16 is a cut-off fp32: decoding is a shift, encoding the rounding store8_out does. Both fit in registers,
  * so the vector loops decode, update and encode 8 (16) elements at a time in one pass, with no scratch.
@@ -319,7 +319,8 @@ static int cpu_has_avx512(void) { return 0; }
  * scratch. The scratch stays in the L1 cache: memory still sees each byte once.
  *
  * The scalar loop (narrow_scalar) does all this block by block through fp32 scratch, in the simplest order:
- * it is the reference that the vector loops, and tuning/state_precision.py, are tested against. */
+ * it does tuning/state_precision.py's operations bit for bit, and the vector loops are tested against that
+ * within one bf16 ulp or one int8 code. */
 
 /* One update of elements [begin, end), by one of the variants. */
 typedef void (*zo_kernel)(const zo_adam_args *, int64_t, int64_t);
@@ -454,11 +455,16 @@ static void int8_tail_scalar(const zo_adam_args *a, int64_t first, int64_t k, in
 }
 
 #if defined(__x86_64__) || defined(_M_X64)
-/* adam_avx2's arithmetic on 8 elements, operation for operation, for the loops that load and store the moments
- * in another format: they then compute adam_avx2's fp32 values exactly. Returns the new w, updates *m and *v,
- * and leaves sqrt(v) in *root: the denominator needs it anyway, and v's int8 code is a code of it. */
+/* adam_avx2's arithmetic on 8 elements, for the loops that load and store the moments in another format, less
+ * one division: sqrt(v) / sqrt(bias_correction2) becomes sqrt(v) x (1 / sqrt(bias_correction2)) in one FMA.
+ * A vector division costs as much as the rest of the update on some CPUs (a Zen 3 core does one in ~5 cycles),
+ * and once the moments are narrow it is what stands between the loop and memory. The denominator may then differ
+ * by an ulp from the scalar loop's, which moves w by ~1e-7 of its step; m and v are the same operations as
+ * adam_avx2's, so their codes are too. Returns the new w, updates *m and *v, and leaves sqrt(v) in *root: the
+ * denominator needs it anyway, and v's int8 code is a code of it. */
 typedef struct {
     __m256 beta1, beta2, one_minus_beta1, one_minus_beta2, scale, eps, step_size, inv_bc2_sqrt, wd, decay;
+    int decays, adamw;
 } zo_hyper8;
 
 ZO_AVX2 static zo_hyper8 hyper8(const zo_adam_args *a) {
@@ -466,14 +472,15 @@ ZO_AVX2 static zo_hyper8 hyper8(const zo_adam_args *a) {
                        _mm256_set1_ps(a->one_minus_beta1), _mm256_set1_ps(a->one_minus_beta2),
                        _mm256_set1_ps(a->grad_scale),   _mm256_set1_ps(a->eps),
                        _mm256_set1_ps(a->step_size),    _mm256_set1_ps(1.0f / a->bias_correction2_sqrt),
-                       _mm256_set1_ps(a->weight_decay), _mm256_set1_ps(a->decay)};
+                       _mm256_set1_ps(a->weight_decay), _mm256_set1_ps(a->decay),
+                       a->weight_decay != 0.0f, a->adamw};
 }
 
-ZO_AVX2 static inline __m256 adam8(const zo_adam_args *a, const zo_hyper8 *h, __m256 w, __m256 g, __m256 *m,
+ZO_AVX2 static inline __m256 adam8(const zo_hyper8 *h, __m256 w, __m256 g, __m256 *m,
                                    __m256 *v, __m256 *root) {
     g = _mm256_mul_ps(g, h->scale);
-    if (a->weight_decay != 0.0f) {
-        if (a->adamw) w = _mm256_mul_ps(w, h->decay);
+    if (h->decays) {
+        if (h->adamw) w = _mm256_mul_ps(w, h->decay);
         else g = _mm256_fmadd_ps(h->wd, w, g);
     }
     *m = _mm256_fmadd_ps(h->beta1, *m, _mm256_mul_ps(h->one_minus_beta1, g));
@@ -486,16 +493,21 @@ ZO_AVX2 static inline __m256 adam8(const zo_adam_args *a, const zo_hyper8 *h, __
 /* bf16 moments in one pass: load8_grad and store8_out read and write bf16 whatever the array holds. */
 ZO_AVX2 static void bf16_avx2(const zo_adam_args *a, int64_t begin, int64_t end) {
     const zo_hyper8 h = hyper8(a);
+    /* In locals: the stores through float pointers could otherwise alias *a, and every field be read again */
+    float *param = a->param;
+    const void *grad = a->grad;
+    void *out = a->out;
+    const int grad_dtype = a->grad_dtype, out_dtype = a->out_dtype;
     uint16_t *m16 = (uint16_t *)a->exp_avg_packed, *v16 = (uint16_t *)a->exp_avg_sq_packed;
     int64_t i = begin;
     for (; i + 8 <= end; i += 8) {
         __m256 m = load8_grad(m16, ZO_BF16, i), v = load8_grad(v16, ZO_BF16, i), root;
-        __m256 w = _mm256_loadu_ps(a->param + i);
-        w = adam8(a, &h, w, load8_grad(a->grad, a->grad_dtype, i), &m, &v, &root);
+        __m256 w = _mm256_loadu_ps(param + i);
+        w = adam8(&h, w, load8_grad(grad, grad_dtype, i), &m, &v, &root);
         store8_out(m16, ZO_BF16, i, m);
         store8_out(v16, ZO_BF16, i, v);
-        _mm256_storeu_ps(a->param + i, w);
-        if (a->out != NULL) store8_out(a->out, a->out_dtype, i, w);
+        _mm256_storeu_ps(param + i, w);
+        if (out != NULL) store8_out(out, out_dtype, i, w);
     }
     narrow_scalar(a, i, end); /* fewer than 8 left */
 }
@@ -503,8 +515,14 @@ ZO_AVX2 static void bf16_avx2(const zo_adam_args *a, int64_t begin, int64_t end)
 /* An int8 block's first pass, 8 at a time from element k of the block at `first` while 8 remain: decode
  * (code x step x scale, sqrt(v) squared: dequantize_scalar's products), update, write w (and out) for good, and
  * m and sqrt(v) into the scratch, tracking the largest of each. Returns the first element it did not do. */
-ZO_AVX2 static int64_t int8_pass_avx2(const zo_adam_args *a, const zo_hyper8 *h, int64_t first, int64_t k,
+ZO_AVX2 static int64_t int8_pass_avx2(const zo_adam_args *a, const zo_hyper8 *hyper, int64_t first, int64_t k,
                                       int64_t n, float *m_new, float *root_new, float *m_max, float *root_max) {
+    const zo_hyper8 h = *hyper;
+    /* In locals: the stores through float pointers could otherwise alias *a, and every field be read again */
+    float *param = a->param;
+    const void *grad = a->grad;
+    void *out = a->out;
+    const int grad_dtype = a->grad_dtype, out_dtype = a->out_dtype;
     const int8_t *m_codes = (const int8_t *)a->exp_avg_packed + first;
     const uint8_t *v_codes = (const uint8_t *)a->exp_avg_sq_packed + first;
     const int64_t index = first / ZO_STATE_BLOCK;
@@ -520,15 +538,15 @@ ZO_AVX2 static int64_t int8_pass_avx2(const zo_adam_args *a, const zo_hyper8 *h,
         __m256 m = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(m8), m_step), m_scale);
         __m256 root = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v8), v_step), v_scale);
         __m256 v = _mm256_mul_ps(root, root);
-        __m256 w = _mm256_loadu_ps(a->param + i);
-        w = adam8(a, h, w, load8_grad(a->grad, a->grad_dtype, i), &m, &v, &root);
+        __m256 w = _mm256_loadu_ps(param + i);
+        w = adam8(&h, w, load8_grad(grad, grad_dtype, i), &m, &v, &root);
         _mm256_storeu_ps(m_new + k, m);
         _mm256_storeu_ps(root_new + k, root);
         /* max_ps gives its second operand when one is a NaN: a NaN is passed over, as absmax_scalar does */
         m_top = _mm256_max_ps(_mm256_and_ps(m, magnitude), m_top);
         root_top = _mm256_max_ps(_mm256_and_ps(root, magnitude), root_top);
-        _mm256_storeu_ps(a->param + i, w);
-        if (a->out != NULL) store8_out(a->out, a->out_dtype, i, w);
+        _mm256_storeu_ps(param + i, w);
+        if (out != NULL) store8_out(out, out_dtype, i, w);
     }
     float m_lanes[8], root_lanes[8];
     _mm256_storeu_ps(m_lanes, m_top);
@@ -554,7 +572,7 @@ ZO_AVX2 static float encode_avx2(const float *src, int is_signed, float scale, v
     int64_t i = 0;
     for (; !isinf(times) && i + 8 <= n; i += 8) {
         __m256 r = _mm256_mul_ps(_mm256_loadu_ps(src + i), by);
-        r = _mm256_round_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        /* clamped first (a NaN becomes `low`), then converted: cvtps rounds to nearest even, as code_of does */
         __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, low), top));
         __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
         __m128i q16 = is_signed ? _mm_packs_epi32(lo, hi) : _mm_packus_epi32(lo, hi);
@@ -588,6 +606,7 @@ static void narrow_avx2(const zo_adam_args *a, int64_t begin, int64_t end) {
  * ones, as adam_avx512 leaves it to adam_avx2. */
 typedef struct {
     __m512 beta1, beta2, one_minus_beta1, one_minus_beta2, scale, eps, step_size, inv_bc2_sqrt, wd, decay;
+    int decays, adamw;
 } zo_hyper16;
 
 ZO_AVX512 static zo_hyper16 hyper16(const zo_adam_args *a) {
@@ -595,14 +614,15 @@ ZO_AVX512 static zo_hyper16 hyper16(const zo_adam_args *a) {
                         _mm512_set1_ps(a->one_minus_beta1), _mm512_set1_ps(a->one_minus_beta2),
                         _mm512_set1_ps(a->grad_scale),   _mm512_set1_ps(a->eps),
                         _mm512_set1_ps(a->step_size),    _mm512_set1_ps(1.0f / a->bias_correction2_sqrt),
-                        _mm512_set1_ps(a->weight_decay), _mm512_set1_ps(a->decay)};
+                        _mm512_set1_ps(a->weight_decay), _mm512_set1_ps(a->decay),
+                        a->weight_decay != 0.0f, a->adamw};
 }
 
-ZO_AVX512 static inline __m512 adam16(const zo_adam_args *a, const zo_hyper16 *h, __m512 w, __m512 g, __m512 *m,
+ZO_AVX512 static inline __m512 adam16(const zo_hyper16 *h, __m512 w, __m512 g, __m512 *m,
                                       __m512 *v, __m512 *root) {
     g = _mm512_mul_ps(g, h->scale);
-    if (a->weight_decay != 0.0f) {
-        if (a->adamw) w = _mm512_mul_ps(w, h->decay);
+    if (h->decays) {
+        if (h->adamw) w = _mm512_mul_ps(w, h->decay);
         else g = _mm512_fmadd_ps(h->wd, w, g);
     }
     *m = _mm512_fmadd_ps(h->beta1, *m, _mm512_mul_ps(h->one_minus_beta1, g));
@@ -614,23 +634,34 @@ ZO_AVX512 static inline __m512 adam16(const zo_adam_args *a, const zo_hyper16 *h
 
 ZO_AVX512 static void bf16_avx512(const zo_adam_args *a, int64_t begin, int64_t end) {
     const zo_hyper16 h = hyper16(a);
+    /* In locals: the stores through float pointers could otherwise alias *a, and every field be read again */
+    float *param = a->param;
+    const void *grad = a->grad;
+    void *out = a->out;
+    const int grad_dtype = a->grad_dtype, out_dtype = a->out_dtype;
     uint16_t *m16 = (uint16_t *)a->exp_avg_packed, *v16 = (uint16_t *)a->exp_avg_sq_packed;
     int64_t i = begin;
     for (; i + 16 <= end; i += 16) {
         __m512 m = load16_grad(m16, ZO_BF16, i), v = load16_grad(v16, ZO_BF16, i), root;
-        __m512 w = _mm512_loadu_ps(a->param + i);
-        w = adam16(a, &h, w, load16_grad(a->grad, a->grad_dtype, i), &m, &v, &root);
+        __m512 w = _mm512_loadu_ps(param + i);
+        w = adam16(&h, w, load16_grad(grad, grad_dtype, i), &m, &v, &root);
         store16_out(m16, ZO_BF16, i, m);
         store16_out(v16, ZO_BF16, i, v);
-        _mm512_storeu_ps(a->param + i, w);
-        if (a->out != NULL) store16_out(a->out, a->out_dtype, i, w);
+        _mm512_storeu_ps(param + i, w);
+        if (out != NULL) store16_out(out, out_dtype, i, w);
     }
     bf16_avx2(a, i, end);
 }
 
-ZO_AVX512 static int64_t int8_pass_avx512(const zo_adam_args *a, const zo_hyper16 *h, int64_t first, int64_t k,
+ZO_AVX512 static int64_t int8_pass_avx512(const zo_adam_args *a, const zo_hyper16 *hyper, int64_t first, int64_t k,
                                           int64_t n, float *m_new, float *root_new, float *m_max,
                                           float *root_max) {
+    const zo_hyper16 h = *hyper;
+    /* In locals: the stores through float pointers could otherwise alias *a, and every field be read again */
+    float *param = a->param;
+    const void *grad = a->grad;
+    void *out = a->out;
+    const int grad_dtype = a->grad_dtype, out_dtype = a->out_dtype;
     const int8_t *m_codes = (const int8_t *)a->exp_avg_packed + first;
     const uint8_t *v_codes = (const uint8_t *)a->exp_avg_sq_packed + first;
     const int64_t index = first / ZO_STATE_BLOCK;
@@ -645,14 +676,14 @@ ZO_AVX512 static int64_t int8_pass_avx512(const zo_adam_args *a, const zo_hyper1
         __m512 m = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(m8), m_step), m_scale);
         __m512 root = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v8), v_step), v_scale);
         __m512 v = _mm512_mul_ps(root, root);
-        __m512 w = _mm512_loadu_ps(a->param + i);
-        w = adam16(a, h, w, load16_grad(a->grad, a->grad_dtype, i), &m, &v, &root);
+        __m512 w = _mm512_loadu_ps(param + i);
+        w = adam16(&h, w, load16_grad(grad, grad_dtype, i), &m, &v, &root);
         _mm512_storeu_ps(m_new + k, m);
         _mm512_storeu_ps(root_new + k, root);
         m_top = _mm512_max_ps(_mm512_abs_ps(m), m_top); /* a NaN is passed over, as in the AVX2 loop */
         root_top = _mm512_max_ps(_mm512_abs_ps(root), root_top);
-        _mm512_storeu_ps(a->param + i, w);
-        if (a->out != NULL) store16_out(a->out, a->out_dtype, i, w);
+        _mm512_storeu_ps(param + i, w);
+        if (out != NULL) store16_out(out, out_dtype, i, w);
     }
     float m_lanes[16], root_lanes[16];
     _mm512_storeu_ps(m_lanes, m_top);
@@ -675,8 +706,7 @@ ZO_AVX512 static float encode_avx512(const float *src, int is_signed, float scal
     int64_t i = 0;
     for (; !isinf(times) && i + 16 <= n; i += 16) {
         __m512 r = _mm512_mul_ps(_mm512_loadu_ps(src + i), by);
-        r = _mm512_roundscale_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, low), top));
+        __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, low), top)); /* rounds as in AVX2 */
         __m128i q8 = is_signed ? _mm512_cvtsepi32_epi8(q) : _mm512_cvtusepi32_epi8(q);
         _mm_storeu_si128((__m128i *)((uint8_t *)codes + i), q8);
     }
@@ -814,10 +844,48 @@ static void floor_16(const zo_adam_args *a, int64_t begin, int64_t end) { /* 16-
     }
 }
 
+/* The same with the moments as the narrow loops store them: 2 bytes each in bf16, 1 in int8, and an int8
+ * block's two scales read and written once (20 and about 16 bytes a parameter with 16-bit gradients in and
+ * weights out). Each narrow precision is measured against its own floor: the bytes it has to move. */
+static void floor_bf16_state(const zo_adam_args *a, int64_t begin, int64_t end) {
+    const uint16_t *restrict g = (const uint16_t *)a->grad;
+    uint16_t *restrict out = (uint16_t *)a->out;
+    uint16_t *restrict m = (uint16_t *)a->exp_avg_packed, *restrict v = (uint16_t *)a->exp_avg_sq_packed;
+    float *restrict w = a->param;
+    for (int64_t i = begin; i < end; i++) {
+        w[i] += (float)g[i];
+        m[i] += g[i];
+        v[i] += g[i];
+        out[i] = g[i];
+    }
+}
+
+static void floor_int8_state(const zo_adam_args *a, int64_t begin, int64_t end) {
+    const uint16_t *restrict g = (const uint16_t *)a->grad;
+    uint16_t *restrict out = (uint16_t *)a->out;
+    uint8_t *restrict m = (uint8_t *)a->exp_avg_packed, *restrict v = (uint8_t *)a->exp_avg_sq_packed;
+    float *restrict w = a->param;
+    for (int64_t i = begin; i < end; i++) {
+        w[i] += (float)g[i];
+        m[i] += (uint8_t)g[i];
+        v[i] += (uint8_t)g[i];
+        out[i] = g[i];
+    }
+    for (int64_t b = begin / ZO_STATE_BLOCK; b * ZO_STATE_BLOCK < end; b++) { /* chunks start on a block */
+        a->exp_avg_scale[b] += 1.0f;
+        a->exp_avg_sq_scale[b] += 1.0f;
+    }
+}
+
 int zo_memory_floor(const zo_adam_args *a, int threads) {
     int narrow = a->grad_dtype != ZO_F32;
     if (narrow != (a->out != NULL) || (a->out != NULL && a->out_dtype == ZO_F32)) return -1;
-    if (a->state_dtype != ZO_STATE_F32) return -1; /* the floor's loops move fp32 moments */
-    run_threads(a, narrow ? floor_16 : floor_f32, NULL, threads);
+    if (a->state_dtype == ZO_STATE_F32) {
+        run_threads(a, narrow ? floor_16 : floor_f32, NULL, threads);
+        return 0;
+    }
+    /* Narrow moments: defined for the offload update's 16-bit gradients in and weights out only. */
+    if (!narrow || a->state_dtype > ZO_STATE_INT8) return -1;
+    run_threads(a, a->state_dtype == ZO_STATE_BF16 ? floor_bf16_state : floor_int8_state, NULL, threads);
     return 0;
 }
