@@ -20,6 +20,7 @@ if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
 from zero_offload.tuning import state_precision as sp  # noqa: E402
 from zero_offload.tuning.cpu_adam import (  # noqa: E402
     cpu_adam_update,
+    memory_floor,
     norm_rows,
     supported_variants,
 )
@@ -276,6 +277,23 @@ def test_bfloat16_tensors_and_uint16_bits_are_the_same_state():
         )
         assert torch.equal(a[0], b[0])
         assert torch.equal(a[1]["exp_avg"], b[1]["exp_avg"].view(torch.uint16))
+
+
+@pytest.mark.parametrize("precision", NARROW)
+def test_the_narrow_floor_touches_every_element_and_each_blocks_scales(precision):
+    # Two threads, and a last block that is not whole: every element is copied, every scale touched once.
+    n = 2**17 + sp.BLOCK + 5
+    param, grad16, out = torch.zeros(n), torch.randn(n).half(), torch.zeros(n, dtype=torch.float16)
+    state = sp.zeros_state(n, precision)
+    memory_floor(param, grad16, state["exp_avg"], state["exp_avg_sq"], out=out, threads=2,
+                 exp_avg_scale=state.get("exp_avg_scale"), exp_avg_sq_scale=state.get("exp_avg_sq_scale"))  # fmt: skip
+    assert torch.equal(out, grad16), "the floor copies the gradient bits to the output, all of them"
+    if precision == "int8":
+        for name in ("exp_avg_scale", "exp_avg_sq_scale"):
+            assert torch.equal(state[name], torch.ones(sp.blocks(n))), f"{name}: each block's scale once"
+    with pytest.raises(ValueError, match="narrow moments is defined for 16-bit gradients"):
+        memory_floor(param, grad16.float(), state["exp_avg"], state["exp_avg_sq"],
+                     exp_avg_scale=state.get("exp_avg_scale"), exp_avg_sq_scale=state.get("exp_avg_sq_scale"))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- wrong arguments

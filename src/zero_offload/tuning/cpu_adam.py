@@ -128,17 +128,39 @@ def cpu_adam_update(
         raise ValueError(f"this CPU cannot run the {variant!r} variant; use 'auto' or 'scalar'")
 
 
-def memory_floor(param, grad, exp_avg, exp_avg_sq, *, out=None, threads: int | None = None) -> None:
+def memory_floor(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    out=None,
+    threads: int | None = None,
+    exp_avg_scale=None,
+    exp_avg_sq_scale=None,
+) -> None:
     """Move the bytes of one Adam pass with no arithmetic, as a yardstick for timing an update: fp32 gradients
     and no output (28 bytes a parameter), or 16-bit gradients and a 16-bit output (the one-pass offload update,
-    also 28). The tensors are scratch: their values are overwritten with meaningless ones."""
-    _check_all(param, grad, exp_avg, exp_avg_sq, out)
+    also 28). With moments stored narrow (the dtypes and scales cpu_adam_update takes), the bytes of that
+    precision's pass: 16-bit gradients and output only (20 bytes a parameter in bf16, about 16 in int8). The
+    tensors are scratch: their values are overwritten with meaningless ones."""
+    _check_all(param, grad, exp_avg, exp_avg_sq, out, moments=MOMENT_DTYPES)
+    state_dtype = _state_dtype(exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale)
     if (grad.dtype == torch.float32) != (out is None) or (out is not None and out.dtype == torch.float32):
         raise ValueError("the floor is defined for fp32 gradients without an output, or 16-bit gradients with "
                          "a 16-bit output")  # fmt: skip
+    if state_dtype != STATE_FP32 and out is None:
+        raise ValueError("the floor of narrow moments is defined for 16-bit gradients with a 16-bit output")
     module = build()
-    module.lib.zo_memory_floor(_tensor_args(module.ffi, param, grad, exp_avg, exp_avg_sq, out),
-                               threads or default_threads())  # fmt: skip
+    args = _tensor_args(module.ffi, param, grad, exp_avg, exp_avg_sq, out)
+    if state_dtype != STATE_FP32:
+        args.state_dtype = state_dtype
+        args.exp_avg_packed = module.ffi.cast("void *", exp_avg.data_ptr())
+        args.exp_avg_sq_packed = module.ffi.cast("void *", exp_avg_sq.data_ptr())
+    if state_dtype == STATE_INT8:
+        args.exp_avg_scale = module.ffi.cast("float *", exp_avg_scale.data_ptr())
+        args.exp_avg_sq_scale = module.ffi.cast("float *", exp_avg_sq_scale.data_ptr())
+    module.lib.zo_memory_floor(args, threads or default_threads())
 
 
 def _check_all(param, grad, exp_avg, exp_avg_sq, out, moments=(torch.float32,)) -> None:

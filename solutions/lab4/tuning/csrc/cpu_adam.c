@@ -298,32 +298,32 @@ static int cpu_has_avx512(void) { return 0; }
 #endif
 
 /* ---------------------------------------------------------------------- moments stored in bf16 or 8 bits */
-/* A narrow state is never updated where it lies. Block by block (ZO_STATE_BLOCK elements, counted from element
- * 0), m and v are decoded into fp32 scratch on the stack, the variant's own fp32 loop above updates the block
- * there, and the new moments are encoded back. The scratch (16 KB) stays in L1, so memory sees only the narrow
- * bytes, and the Adam arithmetic is the fp32 path's, operation for operation. Blocks because an int8 code needs
- * the block's new largest value, known only once the whole block is updated.
+/* A narrow state is never updated where it lies: each element's m and v are decoded to fp32, updated in fp32,
+ * and encoded again. Memory sees only the narrow bytes, so a step moves 20 bytes a parameter with bf16 moments
+ * and about 16 with int8, against fp32's 28: the narrow loops are worth having only if they stay as close to
+ * memory as the fp32 loop does. That sets their shape: one pass, and as little arithmetic as the codes allow.
+ *
+ * bf16 is a cut-off fp32: decoding is a shift, encoding the rounding store8_out does. Both fit in registers,
+ * so the vector loops decode, update and encode 8 (16) elements at a time in one pass, with no scratch.
  *
  * int8 codes are linear in m (signed, 127 a side) and in sqrt(v) (unsigned, 0..255), not in v: sqrt(v) is on
  * the scale of |m|, so both codes cover the same 1:127 (1:255) range of gradient sizes, where codes of v itself
  * would round every v below 1/510 of the block's largest to zero, and with it the update's denominator to eps.
- * A dynamic (logarithmic) map would reach further down, at the price of a table look-up per element. The
- * stored scale is the largest value itself, not largest / 127, which loses bits in a denormal block. A code is
- * x x (127 / largest), rounded to nearest even: one division a block; where 127 / largest is too large for
- * fp32 (a block below ~1e-36), x / largest x 127 instead. */
+ * A dynamic (logarithmic) map would reach further down, at the price of a table look-up per element. Each
+ * block of ZO_STATE_BLOCK elements (counted from element 0) has one scale per moment: the largest value itself,
+ * not largest / 127, which loses bits in a denormal block. A code is x x (127 / largest), rounded to nearest
+ * even: one division a block; where 127 / largest is too large for fp32 (a block below ~1e-36), x / largest x
+ * 127 instead. The new scale is the block's new largest value, known only once the whole block is updated, so
+ * an int8 block takes two passes: the first decodes, updates the weights (read and written once, as in fp32)
+ * and keeps the new m and sqrt(v) in a scratch of 2 x 8 KB while it tracks their largest; the second codes the
+ * scratch. The scratch stays in the L1 cache: memory still sees each byte once.
+ *
+ * The scalar loop (narrow_scalar) does all this block by block through fp32 scratch, in the simplest order:
+ * it does tuning/state_precision.py's operations bit for bit, and the vector loops are tested against that
+ * within one bf16 ulp or one int8 code. */
 
-/* One update of elements [begin, end), by one of the variants: here of one block in the scratch. */
+/* One update of elements [begin, end), by one of the variants. */
 typedef void (*zo_kernel)(const zo_adam_args *, int64_t, int64_t);
-
-typedef struct {
-    zo_kernel adam; /* the fp32 update of one block, in the scratch */
-    void (*from_bf16)(const uint16_t *src, float *dst, int64_t n);
-    void (*to_bf16)(const float *src, uint16_t *dst, int64_t n);
-    /* codes (int8_t when is_signed, else uint8_t codes of sqrt v) -> fp32 m (v) */
-    void (*dequantize)(const void *codes, int is_signed, float scale, float *dst, int64_t n);
-    /* fp32 m (v) -> codes; returns the new scale. Takes sqrt of v in place: the scratch is dead afterwards. */
-    float (*quantize)(float *src, int is_signed, void *codes, int64_t n);
-} zo_codecs;
 
 static const float ZO_M_STEP = 1.0f / 127.0f, ZO_V_STEP = 1.0f / 255.0f; /* a code's share of the scale */
 
@@ -335,6 +335,7 @@ static void to_bf16_scalar(const float *src, uint16_t *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = float_to_bf16(src[i]);
 }
 
+/* codes (int8_t when is_signed, else uint8_t codes of sqrt v) -> fp32 m (v) */
 static void dequantize_scalar(const void *codes, int is_signed, float scale, float *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         if (is_signed) {
@@ -381,6 +382,7 @@ static void zero_codes(void *codes, int64_t n) {
     for (int64_t i = 0; i < n; i++) ((uint8_t *)codes)[i] = 0;
 }
 
+/* fp32 m (v) -> codes; returns the new scale. Takes sqrt of v in place: the scratch is dead afterwards. */
 static float quantize_scalar(float *src, int is_signed, void *codes, int64_t n) {
     if (!is_signed)
         for (int64_t i = 0; i < n; i++) src[i] = sqrtf(src[i]);
@@ -393,103 +395,184 @@ static float quantize_scalar(float *src, int is_signed, void *codes, int64_t n) 
     return scale;
 }
 
-static void adam_narrow(const zo_adam_args *a, int64_t begin, int64_t end, const zo_codecs *c) {
-    float m[ZO_STATE_BLOCK], v[ZO_STATE_BLOCK];
+/* adam_scalar on elements [first, first + n), with their moments in the fp32 scratch m and v. */
+static void adam_in_scratch(const zo_adam_args *a, int64_t first, int64_t n, float *m, float *v) {
     const int64_t grad_size = a->grad_dtype == ZO_F32 ? 4 : 2, out_size = a->out_dtype == ZO_F32 ? 4 : 2;
-    const int int8 = a->state_dtype == ZO_STATE_INT8;
-    zo_adam_args block = *a; /* the same update, pointed at one block and at the scratch */
+    zo_adam_args block = *a; /* the same update, pointed at the elements and at the scratch */
     block.row_squares = NULL;
     block.exp_avg = m;
     block.exp_avg_sq = v;
     block.state_dtype = ZO_STATE_F32;
-    /* Thread chunks start on a block (run_threads), so each int8 block is coded whole by one thread. */
+    block.param = a->param + first;
+    block.grad = (const char *)a->grad + first * grad_size;
+    block.out = a->out != NULL ? (char *)a->out + first * out_size : NULL;
+    block.n = n;
+    adam_scalar(&block, 0, n);
+}
+
+/* The reference: block by block, decode into fp32 scratch on the stack, update there, encode. Any begin: the
+ * vector loops hand it the few elements after their last full vector. */
+static void narrow_scalar(const zo_adam_args *a, int64_t begin, int64_t end) {
+    float m[ZO_STATE_BLOCK], v[ZO_STATE_BLOCK];
+    const int int8 = a->state_dtype == ZO_STATE_INT8;
     for (int64_t first = begin; first < end;) {
         int64_t index = first / ZO_STATE_BLOCK, last = (index + 1) * ZO_STATE_BLOCK;
         last = last < end ? last : end;
         int64_t n = last - first;
         if (int8) {
-            c->dequantize((const int8_t *)a->exp_avg_packed + first, 1, a->exp_avg_scale[index], m, n);
-            c->dequantize((const uint8_t *)a->exp_avg_sq_packed + first, 0, a->exp_avg_sq_scale[index], v, n);
+            dequantize_scalar((const int8_t *)a->exp_avg_packed + first, 1, a->exp_avg_scale[index], m, n);
+            dequantize_scalar((const uint8_t *)a->exp_avg_sq_packed + first, 0, a->exp_avg_sq_scale[index], v, n);
         } else {
-            c->from_bf16((const uint16_t *)a->exp_avg_packed + first, m, n);
-            c->from_bf16((const uint16_t *)a->exp_avg_sq_packed + first, v, n);
+            from_bf16_scalar((const uint16_t *)a->exp_avg_packed + first, m, n);
+            from_bf16_scalar((const uint16_t *)a->exp_avg_sq_packed + first, v, n);
         }
-        block.param = a->param + first;
-        block.grad = (const char *)a->grad + first * grad_size;
-        block.out = a->out != NULL ? (char *)a->out + first * out_size : NULL;
-        block.n = n;
-        c->adam(&block, 0, n);
+        adam_in_scratch(a, first, n, m, v);
         if (int8) {
-            a->exp_avg_scale[index] = c->quantize(m, 1, (int8_t *)a->exp_avg_packed + first, n);
-            a->exp_avg_sq_scale[index] = c->quantize(v, 0, (uint8_t *)a->exp_avg_sq_packed + first, n);
+            a->exp_avg_scale[index] = quantize_scalar(m, 1, (int8_t *)a->exp_avg_packed + first, n);
+            a->exp_avg_sq_scale[index] = quantize_scalar(v, 0, (uint8_t *)a->exp_avg_sq_packed + first, n);
         } else {
-            c->to_bf16(m, (uint16_t *)a->exp_avg_packed + first, n);
-            c->to_bf16(v, (uint16_t *)a->exp_avg_sq_packed + first, n);
+            to_bf16_scalar(m, (uint16_t *)a->exp_avg_packed + first, n);
+            to_bf16_scalar(v, (uint16_t *)a->exp_avg_sq_packed + first, n);
         }
         first = last;
     }
 }
 
-static const zo_codecs codecs_scalar = {adam_scalar, from_bf16_scalar, to_bf16_scalar, dequantize_scalar,
-                                        quantize_scalar};
-static void narrow_scalar(const zo_adam_args *a, int64_t begin, int64_t end) {
-    adam_narrow(a, begin, end, &codecs_scalar);
+/* The elements [k, n) of the int8 block at `first` that no vector took: decoded, updated and put in the
+ * scratch as the vector loops do (m, and sqrt of v), their largest folded into *m_max and *root_max. */
+static void int8_tail_scalar(const zo_adam_args *a, int64_t first, int64_t k, int64_t n, float *m, float *root,
+                             float *m_max, float *root_max) {
+    if (k >= n) return;
+    const int64_t index = first / ZO_STATE_BLOCK;
+    dequantize_scalar((const int8_t *)a->exp_avg_packed + first + k, 1, a->exp_avg_scale[index], m + k, n - k);
+    dequantize_scalar((const uint8_t *)a->exp_avg_sq_packed + first + k, 0, a->exp_avg_sq_scale[index], root + k,
+                      n - k);
+    adam_in_scratch(a, first + k, n - k, m + k, root + k); /* root holds v until the line below */
+    for (int64_t j = k; j < n; j++) root[j] = sqrtf(root[j]);
+    float largest = absmax_scalar(m + k, n - k), root_largest = absmax_scalar(root + k, n - k);
+    *m_max = largest > *m_max ? largest : *m_max;
+    *root_max = root_largest > *root_max ? root_largest : *root_max;
 }
 
 #if defined(__x86_64__) || defined(_M_X64)
-/* The codecs 8 (16) at a time; the few elements after the last full vector go to the scalar codecs, which do
- * the same operations (no fused ones here), so every variant codes a given block of fp32 moments alike. */
-ZO_AVX2 static void from_bf16_avx2(const uint16_t *src, float *dst, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8_grad(src, ZO_BF16, i));
-    from_bf16_scalar(src + i, dst + i, n - i);
+/* adam_avx2's arithmetic on 8 elements, for the loops that load and store the moments in another format, less
+ * one division: sqrt(v) / sqrt(bias_correction2) becomes sqrt(v) x (1 / sqrt(bias_correction2)) in one FMA.
+ * A vector division costs as much as the rest of the update on some CPUs (a Zen 3 core does one in ~5 cycles),
+ * and once the moments are narrow it is what stands between the loop and memory. The denominator may then differ
+ * by an ulp from the scalar loop's, which moves w by ~1e-7 of its step; m and v are the same operations as
+ * adam_avx2's, so their codes are too. Returns the new w, updates *m and *v, and leaves sqrt(v) in *root: the
+ * denominator needs it anyway, and v's int8 code is a code of it. */
+typedef struct {
+    __m256 beta1, beta2, one_minus_beta1, one_minus_beta2, scale, eps, step_size, inv_bc2_sqrt, wd, decay;
+    int decays, adamw;
+} zo_hyper8;
+
+ZO_AVX2 static zo_hyper8 hyper8(const zo_adam_args *a) {
+    return (zo_hyper8){_mm256_set1_ps(a->beta1),        _mm256_set1_ps(a->beta2),
+                       _mm256_set1_ps(a->one_minus_beta1), _mm256_set1_ps(a->one_minus_beta2),
+                       _mm256_set1_ps(a->grad_scale),   _mm256_set1_ps(a->eps),
+                       _mm256_set1_ps(a->step_size),    _mm256_set1_ps(1.0f / a->bias_correction2_sqrt),
+                       _mm256_set1_ps(a->weight_decay), _mm256_set1_ps(a->decay),
+                       a->weight_decay != 0.0f, a->adamw};
 }
 
-ZO_AVX2 static void to_bf16_avx2(const float *src, uint16_t *dst, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) store8_out(dst, ZO_BF16, i, _mm256_loadu_ps(src + i));
-    to_bf16_scalar(src + i, dst + i, n - i);
-}
-
-ZO_AVX2 static void dequantize_avx2(const void *codes, int is_signed, float scale, float *dst, int64_t n) {
-    const __m256 step = _mm256_set1_ps(is_signed ? ZO_M_STEP : ZO_V_STEP), times = _mm256_set1_ps(scale);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m128i bytes = _mm_loadl_epi64((const __m128i *)((const uint8_t *)codes + i));
-        __m256i wide = is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
-        __m256 x = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(wide), step), times);
-        _mm256_storeu_ps(dst + i, is_signed ? x : _mm256_mul_ps(x, x));
+ZO_AVX2 static inline __m256 adam8(const zo_hyper8 *h, __m256 w, __m256 g, __m256 *m,
+                                   __m256 *v, __m256 *root) {
+    g = _mm256_mul_ps(g, h->scale);
+    if (h->decays) {
+        if (h->adamw) w = _mm256_mul_ps(w, h->decay);
+        else g = _mm256_fmadd_ps(h->wd, w, g);
     }
-    dequantize_scalar((const uint8_t *)codes + i, is_signed, scale, dst + i, n - i);
+    *m = _mm256_fmadd_ps(h->beta1, *m, _mm256_mul_ps(h->one_minus_beta1, g));
+    *v = _mm256_fmadd_ps(h->beta2, *v, _mm256_mul_ps(h->one_minus_beta2, _mm256_mul_ps(g, g)));
+    *root = _mm256_sqrt_ps(*v);
+    __m256 denom = _mm256_fmadd_ps(*root, h->inv_bc2_sqrt, h->eps);
+    return _mm256_fnmadd_ps(h->step_size, _mm256_div_ps(*m, denom), w);
 }
 
-ZO_AVX2 static float quantize_avx2(float *src, int is_signed, void *codes, int64_t n) {
+/* bf16 moments in one pass: load8_grad and store8_out read and write bf16 whatever the array holds. */
+ZO_AVX2 static void bf16_avx2(const zo_adam_args *a, int64_t begin, int64_t end) {
+    const zo_hyper8 h = hyper8(a);
+    /* In locals: the stores through float pointers could otherwise alias *a, and every field be read again */
+    float *param = a->param;
+    const void *grad = a->grad;
+    void *out = a->out;
+    const int grad_dtype = a->grad_dtype, out_dtype = a->out_dtype;
+    uint16_t *m16 = (uint16_t *)a->exp_avg_packed, *v16 = (uint16_t *)a->exp_avg_sq_packed;
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+        __m256 m = load8_grad(m16, ZO_BF16, i), v = load8_grad(v16, ZO_BF16, i), root;
+        __m256 w = _mm256_loadu_ps(param + i);
+        w = adam8(&h, w, load8_grad(grad, grad_dtype, i), &m, &v, &root);
+        store8_out(m16, ZO_BF16, i, m);
+        store8_out(v16, ZO_BF16, i, v);
+        _mm256_storeu_ps(param + i, w);
+        if (out != NULL) store8_out(out, out_dtype, i, w);
+    }
+    narrow_scalar(a, i, end); /* fewer than 8 left */
+}
+
+/* An int8 block's first pass, 8 at a time from element k of the block at `first` while 8 remain: decode
+ * (code x step x scale, sqrt(v) squared: dequantize_scalar's products), update, write w (and out) for good, and
+ * m and sqrt(v) into the scratch, tracking the largest of each. Returns the first element it did not do. */
+ZO_AVX2 static int64_t int8_pass_avx2(const zo_adam_args *a, const zo_hyper8 *hyper, int64_t first, int64_t k,
+                                      int64_t n, float *m_new, float *root_new, float *m_max, float *root_max) {
+    const zo_hyper8 h = *hyper;
+    /* In locals: the stores through float pointers could otherwise alias *a, and every field be read again */
+    float *param = a->param;
+    const void *grad = a->grad;
+    void *out = a->out;
+    const int grad_dtype = a->grad_dtype, out_dtype = a->out_dtype;
+    const int8_t *m_codes = (const int8_t *)a->exp_avg_packed + first;
+    const uint8_t *v_codes = (const uint8_t *)a->exp_avg_sq_packed + first;
+    const int64_t index = first / ZO_STATE_BLOCK;
+    const __m256 m_step = _mm256_set1_ps(ZO_M_STEP), v_step = _mm256_set1_ps(ZO_V_STEP);
+    const __m256 m_scale = _mm256_set1_ps(a->exp_avg_scale[index]);
+    const __m256 v_scale = _mm256_set1_ps(a->exp_avg_sq_scale[index]);
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 largest = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 x = _mm256_loadu_ps(src + i);
-        if (!is_signed) {
-            x = _mm256_sqrt_ps(x);
-            _mm256_storeu_ps(src + i, x);
-        }
+    __m256 m_top = _mm256_setzero_ps(), root_top = _mm256_setzero_ps();
+    for (; k + 8 <= n; k += 8) {
+        const int64_t i = first + k;
+        __m256i m8 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(m_codes + k)));
+        __m256i v8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(v_codes + k)));
+        __m256 m = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(m8), m_step), m_scale);
+        __m256 root = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v8), v_step), v_scale);
+        __m256 v = _mm256_mul_ps(root, root);
+        __m256 w = _mm256_loadu_ps(param + i);
+        w = adam8(&h, w, load8_grad(grad, grad_dtype, i), &m, &v, &root);
+        _mm256_storeu_ps(m_new + k, m);
+        _mm256_storeu_ps(root_new + k, root);
         /* max_ps gives its second operand when one is a NaN: a NaN is passed over, as absmax_scalar does */
-        largest = _mm256_max_ps(_mm256_and_ps(x, magnitude), largest);
+        m_top = _mm256_max_ps(_mm256_and_ps(m, magnitude), m_top);
+        root_top = _mm256_max_ps(_mm256_and_ps(root, magnitude), root_top);
+        _mm256_storeu_ps(param + i, w);
+        if (out != NULL) store8_out(out, out_dtype, i, w);
     }
-    for (int64_t k = i; k < n && !is_signed; k++) src[k] = sqrtf(src[k]);
-    float lanes[8], scale = absmax_scalar(src + i, n - i);
-    _mm256_storeu_ps(lanes, largest);
-    for (int k = 0; k < 8; k++) scale = lanes[k] > scale ? lanes[k] : scale;
-    if (scale == 0.0f) {
+    float m_lanes[8], root_lanes[8];
+    _mm256_storeu_ps(m_lanes, m_top);
+    _mm256_storeu_ps(root_lanes, root_top);
+    for (int j = 0; j < 8; j++) {
+        *m_max = m_lanes[j] > *m_max ? m_lanes[j] : *m_max;
+        *root_max = root_lanes[j] > *root_max ? root_lanes[j] : *root_max;
+    }
+    return k;
+}
+
+/* The second pass: codes of src[0, n) against `scale`, its largest |x|; returns the scale. The elements after
+ * the last full vector, and all of a block so small that 127 / scale overflows, go to codes_scalar, which
+ * rounds alike: every variant codes a given block of fp32 moments alike. */
+ZO_AVX2 static float encode_avx2(const float *src, int is_signed, float scale, void *codes, int64_t n) {
+    if (scale == 0.0f) { /* a block of zeros: every code 0, and no 0 / 0 */
         zero_codes(codes, n);
         return 0.0f;
     }
     const float times = (is_signed ? 127.0f : 255.0f) / scale;
     const __m256 by = _mm256_set1_ps(times), top = _mm256_set1_ps(is_signed ? 127.0f : 255.0f);
     const __m256 low = _mm256_set1_ps(is_signed ? -127.0f : 0.0f);
-    for (i = 0; !isinf(times) && i + 8 <= n; i += 8) { /* a tiny block: all in codes_scalar */
+    int64_t i = 0;
+    for (; !isinf(times) && i + 8 <= n; i += 8) {
         __m256 r = _mm256_mul_ps(_mm256_loadu_ps(src + i), by);
-        r = _mm256_round_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        /* clamped first (a NaN becomes `low`), then converted: cvtps rounds to nearest even, as code_of does */
         __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, low), top));
         __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
         __m128i q16 = is_signed ? _mm_packs_epi32(lo, hi) : _mm_packus_epi32(lo, hi);
@@ -500,50 +583,119 @@ ZO_AVX2 static float quantize_avx2(float *src, int is_signed, void *codes, int64
     return scale;
 }
 
-static const zo_codecs codecs_avx2 = {adam_avx2, from_bf16_avx2, to_bf16_avx2, dequantize_avx2, quantize_avx2};
+ZO_AVX2 static void int8_avx2(const zo_adam_args *a, int64_t begin, int64_t end) {
+    float m[ZO_STATE_BLOCK], root[ZO_STATE_BLOCK]; /* the new moments of one block: 16 KB, in L1 */
+    const zo_hyper8 h = hyper8(a);
+    /* Thread chunks start on a block (run_threads), so each block is coded whole by one thread. */
+    for (int64_t first = begin; first < end; first += ZO_STATE_BLOCK) {
+        const int64_t index = first / ZO_STATE_BLOCK, n = end - first < ZO_STATE_BLOCK ? end - first : ZO_STATE_BLOCK;
+        float m_max = 0.0f, root_max = 0.0f;
+        int64_t k = int8_pass_avx2(a, &h, first, 0, n, m, root, &m_max, &root_max);
+        int8_tail_scalar(a, first, k, n, m, root, &m_max, &root_max);
+        a->exp_avg_scale[index] = encode_avx2(m, 1, m_max, (int8_t *)a->exp_avg_packed + first, n);
+        a->exp_avg_sq_scale[index] = encode_avx2(root, 0, root_max, (uint8_t *)a->exp_avg_sq_packed + first, n);
+    }
+}
+
 static void narrow_avx2(const zo_adam_args *a, int64_t begin, int64_t end) {
-    adam_narrow(a, begin, end, &codecs_avx2);
+    if (a->state_dtype == ZO_STATE_INT8) int8_avx2(a, begin, end);
+    else bf16_avx2(a, begin, end);
 }
 
-ZO_AVX512 static void from_bf16_avx512(const uint16_t *src, float *dst, int64_t n) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16_grad(src, ZO_BF16, i));
-    from_bf16_avx2(src + i, dst + i, n - i);
+/* The same loops on 16 floats; what is left after the last 16 goes to the 8-wide loops, then to the scalar
+ * ones, as adam_avx512 leaves it to adam_avx2. */
+typedef struct {
+    __m512 beta1, beta2, one_minus_beta1, one_minus_beta2, scale, eps, step_size, inv_bc2_sqrt, wd, decay;
+    int decays, adamw;
+} zo_hyper16;
+
+ZO_AVX512 static zo_hyper16 hyper16(const zo_adam_args *a) {
+    return (zo_hyper16){_mm512_set1_ps(a->beta1),        _mm512_set1_ps(a->beta2),
+                        _mm512_set1_ps(a->one_minus_beta1), _mm512_set1_ps(a->one_minus_beta2),
+                        _mm512_set1_ps(a->grad_scale),   _mm512_set1_ps(a->eps),
+                        _mm512_set1_ps(a->step_size),    _mm512_set1_ps(1.0f / a->bias_correction2_sqrt),
+                        _mm512_set1_ps(a->weight_decay), _mm512_set1_ps(a->decay),
+                        a->weight_decay != 0.0f, a->adamw};
 }
 
-ZO_AVX512 static void to_bf16_avx512(const float *src, uint16_t *dst, int64_t n) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) store16_out(dst, ZO_BF16, i, _mm512_loadu_ps(src + i));
-    to_bf16_avx2(src + i, dst + i, n - i);
-}
-
-ZO_AVX512 static void dequantize_avx512(const void *codes, int is_signed, float scale, float *dst, int64_t n) {
-    const __m512 step = _mm512_set1_ps(is_signed ? ZO_M_STEP : ZO_V_STEP), times = _mm512_set1_ps(scale);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)codes + i));
-        __m512i wide = is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
-        __m512 x = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(wide), step), times);
-        _mm512_storeu_ps(dst + i, is_signed ? x : _mm512_mul_ps(x, x));
+ZO_AVX512 static inline __m512 adam16(const zo_hyper16 *h, __m512 w, __m512 g, __m512 *m,
+                                      __m512 *v, __m512 *root) {
+    g = _mm512_mul_ps(g, h->scale);
+    if (h->decays) {
+        if (h->adamw) w = _mm512_mul_ps(w, h->decay);
+        else g = _mm512_fmadd_ps(h->wd, w, g);
     }
-    dequantize_avx2((const uint8_t *)codes + i, is_signed, scale, dst + i, n - i);
+    *m = _mm512_fmadd_ps(h->beta1, *m, _mm512_mul_ps(h->one_minus_beta1, g));
+    *v = _mm512_fmadd_ps(h->beta2, *v, _mm512_mul_ps(h->one_minus_beta2, _mm512_mul_ps(g, g)));
+    *root = _mm512_sqrt_ps(*v);
+    __m512 denom = _mm512_fmadd_ps(*root, h->inv_bc2_sqrt, h->eps);
+    return _mm512_fnmadd_ps(h->step_size, _mm512_div_ps(*m, denom), w);
 }
 
-ZO_AVX512 static float quantize_avx512(float *src, int is_signed, void *codes, int64_t n) {
-    __m512 largest = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m512 x = _mm512_loadu_ps(src + i);
-        if (!is_signed) {
-            x = _mm512_sqrt_ps(x);
-            _mm512_storeu_ps(src + i, x);
-        }
-        largest = _mm512_max_ps(_mm512_abs_ps(x), largest); /* a NaN is passed over, as in the AVX2 loop */
+ZO_AVX512 static void bf16_avx512(const zo_adam_args *a, int64_t begin, int64_t end) {
+    const zo_hyper16 h = hyper16(a);
+    /* In locals: the stores through float pointers could otherwise alias *a, and every field be read again */
+    float *param = a->param;
+    const void *grad = a->grad;
+    void *out = a->out;
+    const int grad_dtype = a->grad_dtype, out_dtype = a->out_dtype;
+    uint16_t *m16 = (uint16_t *)a->exp_avg_packed, *v16 = (uint16_t *)a->exp_avg_sq_packed;
+    int64_t i = begin;
+    for (; i + 16 <= end; i += 16) {
+        __m512 m = load16_grad(m16, ZO_BF16, i), v = load16_grad(v16, ZO_BF16, i), root;
+        __m512 w = _mm512_loadu_ps(param + i);
+        w = adam16(&h, w, load16_grad(grad, grad_dtype, i), &m, &v, &root);
+        store16_out(m16, ZO_BF16, i, m);
+        store16_out(v16, ZO_BF16, i, v);
+        _mm512_storeu_ps(param + i, w);
+        if (out != NULL) store16_out(out, out_dtype, i, w);
     }
-    for (int64_t k = i; k < n && !is_signed; k++) src[k] = sqrtf(src[k]);
-    float lanes[16], scale = absmax_scalar(src + i, n - i);
-    _mm512_storeu_ps(lanes, largest);
-    for (int k = 0; k < 16; k++) scale = lanes[k] > scale ? lanes[k] : scale;
+    bf16_avx2(a, i, end);
+}
+
+ZO_AVX512 static int64_t int8_pass_avx512(const zo_adam_args *a, const zo_hyper16 *hyper, int64_t first, int64_t k,
+                                          int64_t n, float *m_new, float *root_new, float *m_max,
+                                          float *root_max) {
+    const zo_hyper16 h = *hyper;
+    /* In locals: the stores through float pointers could otherwise alias *a, and every field be read again */
+    float *param = a->param;
+    const void *grad = a->grad;
+    void *out = a->out;
+    const int grad_dtype = a->grad_dtype, out_dtype = a->out_dtype;
+    const int8_t *m_codes = (const int8_t *)a->exp_avg_packed + first;
+    const uint8_t *v_codes = (const uint8_t *)a->exp_avg_sq_packed + first;
+    const int64_t index = first / ZO_STATE_BLOCK;
+    const __m512 m_step = _mm512_set1_ps(ZO_M_STEP), v_step = _mm512_set1_ps(ZO_V_STEP);
+    const __m512 m_scale = _mm512_set1_ps(a->exp_avg_scale[index]);
+    const __m512 v_scale = _mm512_set1_ps(a->exp_avg_sq_scale[index]);
+    __m512 m_top = _mm512_setzero_ps(), root_top = _mm512_setzero_ps();
+    for (; k + 16 <= n; k += 16) {
+        const int64_t i = first + k;
+        __m512i m8 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(m_codes + k)));
+        __m512i v8 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(v_codes + k)));
+        __m512 m = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(m8), m_step), m_scale);
+        __m512 root = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v8), v_step), v_scale);
+        __m512 v = _mm512_mul_ps(root, root);
+        __m512 w = _mm512_loadu_ps(param + i);
+        w = adam16(&h, w, load16_grad(grad, grad_dtype, i), &m, &v, &root);
+        _mm512_storeu_ps(m_new + k, m);
+        _mm512_storeu_ps(root_new + k, root);
+        m_top = _mm512_max_ps(_mm512_abs_ps(m), m_top); /* a NaN is passed over, as in the AVX2 loop */
+        root_top = _mm512_max_ps(_mm512_abs_ps(root), root_top);
+        _mm512_storeu_ps(param + i, w);
+        if (out != NULL) store16_out(out, out_dtype, i, w);
+    }
+    float m_lanes[16], root_lanes[16];
+    _mm512_storeu_ps(m_lanes, m_top);
+    _mm512_storeu_ps(root_lanes, root_top);
+    for (int j = 0; j < 16; j++) {
+        *m_max = m_lanes[j] > *m_max ? m_lanes[j] : *m_max;
+        *root_max = root_lanes[j] > *root_max ? root_lanes[j] : *root_max;
+    }
+    return k;
+}
+
+ZO_AVX512 static float encode_avx512(const float *src, int is_signed, float scale, void *codes, int64_t n) {
     if (scale == 0.0f) {
         zero_codes(codes, n);
         return 0.0f;
@@ -551,10 +703,10 @@ ZO_AVX512 static float quantize_avx512(float *src, int is_signed, void *codes, i
     const float times = (is_signed ? 127.0f : 255.0f) / scale;
     const __m512 by = _mm512_set1_ps(times), top = _mm512_set1_ps(is_signed ? 127.0f : 255.0f);
     const __m512 low = _mm512_set1_ps(is_signed ? -127.0f : 0.0f);
-    for (i = 0; !isinf(times) && i + 16 <= n; i += 16) { /* a tiny block: all in codes_scalar */
+    int64_t i = 0;
+    for (; !isinf(times) && i + 16 <= n; i += 16) {
         __m512 r = _mm512_mul_ps(_mm512_loadu_ps(src + i), by);
-        r = _mm512_roundscale_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, low), top));
+        __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, low), top)); /* rounds as in AVX2 */
         __m128i q8 = is_signed ? _mm512_cvtsepi32_epi8(q) : _mm512_cvtusepi32_epi8(q);
         _mm_storeu_si128((__m128i *)((uint8_t *)codes + i), q8);
     }
@@ -562,10 +714,24 @@ ZO_AVX512 static float quantize_avx512(float *src, int is_signed, void *codes, i
     return scale;
 }
 
-static const zo_codecs codecs_avx512 = {adam_avx512, from_bf16_avx512, to_bf16_avx512, dequantize_avx512,
-                                        quantize_avx512};
+ZO_AVX512 static void int8_avx512(const zo_adam_args *a, int64_t begin, int64_t end) {
+    float m[ZO_STATE_BLOCK], root[ZO_STATE_BLOCK];
+    const zo_hyper16 h = hyper16(a);
+    const zo_hyper8 h8 = hyper8(a);
+    for (int64_t first = begin; first < end; first += ZO_STATE_BLOCK) {
+        const int64_t index = first / ZO_STATE_BLOCK, n = end - first < ZO_STATE_BLOCK ? end - first : ZO_STATE_BLOCK;
+        float m_max = 0.0f, root_max = 0.0f;
+        int64_t k = int8_pass_avx512(a, &h, first, 0, n, m, root, &m_max, &root_max);
+        k = int8_pass_avx2(a, &h8, first, k, n, m, root, &m_max, &root_max);
+        int8_tail_scalar(a, first, k, n, m, root, &m_max, &root_max);
+        a->exp_avg_scale[index] = encode_avx512(m, 1, m_max, (int8_t *)a->exp_avg_packed + first, n);
+        a->exp_avg_sq_scale[index] = encode_avx512(root, 0, root_max, (uint8_t *)a->exp_avg_sq_packed + first, n);
+    }
+}
+
 static void narrow_avx512(const zo_adam_args *a, int64_t begin, int64_t end) {
-    adam_narrow(a, begin, end, &codecs_avx512);
+    if (a->state_dtype == ZO_STATE_INT8) int8_avx512(a, begin, end);
+    else bf16_avx512(a, begin, end);
 }
 #else
 static void narrow_avx2(const zo_adam_args *a, int64_t begin, int64_t end) { narrow_scalar(a, begin, end); }
@@ -678,10 +844,48 @@ static void floor_16(const zo_adam_args *a, int64_t begin, int64_t end) { /* 16-
     }
 }
 
+/* The same with the moments as the narrow loops store them: 2 bytes each in bf16, 1 in int8, and an int8
+ * block's two scales read and written once (20 and about 16 bytes a parameter with 16-bit gradients in and
+ * weights out). Each narrow precision is measured against its own floor: the bytes it has to move. */
+static void floor_bf16_state(const zo_adam_args *a, int64_t begin, int64_t end) {
+    const uint16_t *restrict g = (const uint16_t *)a->grad;
+    uint16_t *restrict out = (uint16_t *)a->out;
+    uint16_t *restrict m = (uint16_t *)a->exp_avg_packed, *restrict v = (uint16_t *)a->exp_avg_sq_packed;
+    float *restrict w = a->param;
+    for (int64_t i = begin; i < end; i++) {
+        w[i] += (float)g[i];
+        m[i] += g[i];
+        v[i] += g[i];
+        out[i] = g[i];
+    }
+}
+
+static void floor_int8_state(const zo_adam_args *a, int64_t begin, int64_t end) {
+    const uint16_t *restrict g = (const uint16_t *)a->grad;
+    uint16_t *restrict out = (uint16_t *)a->out;
+    uint8_t *restrict m = (uint8_t *)a->exp_avg_packed, *restrict v = (uint8_t *)a->exp_avg_sq_packed;
+    float *restrict w = a->param;
+    for (int64_t i = begin; i < end; i++) {
+        w[i] += (float)g[i];
+        m[i] += (uint8_t)g[i];
+        v[i] += (uint8_t)g[i];
+        out[i] = g[i];
+    }
+    for (int64_t b = begin / ZO_STATE_BLOCK; b * ZO_STATE_BLOCK < end; b++) { /* chunks start on a block */
+        a->exp_avg_scale[b] += 1.0f;
+        a->exp_avg_sq_scale[b] += 1.0f;
+    }
+}
+
 int zo_memory_floor(const zo_adam_args *a, int threads) {
     int narrow = a->grad_dtype != ZO_F32;
     if (narrow != (a->out != NULL) || (a->out != NULL && a->out_dtype == ZO_F32)) return -1;
-    if (a->state_dtype != ZO_STATE_F32) return -1; /* the floor's loops move fp32 moments */
-    run_threads(a, narrow ? floor_16 : floor_f32, NULL, threads);
+    if (a->state_dtype == ZO_STATE_F32) {
+        run_threads(a, narrow ? floor_16 : floor_f32, NULL, threads);
+        return 0;
+    }
+    /* Narrow moments: defined for the offload update's 16-bit gradients in and weights out only. */
+    if (!narrow || a->state_dtype > ZO_STATE_INT8) return -1;
+    run_threads(a, a->state_dtype == ZO_STATE_BF16 ? floor_bf16_state : floor_int8_state, NULL, threads);
     return 0;
 }

@@ -4,7 +4,8 @@
                           CPU Adam where installed, ours per variant and thread count, and the memory floor;
   offload_update()        the whole offloaded update (fp16 gradients in, unscale, Adam, fp16 weights out):
                           torch's passes against our one pass;
-  moment_precisions()     ours with the moments stored in fp32, bf16 and int8, per variant and thread count.
+  moment_precisions()     the offloaded update with the moments stored in fp32, bf16 and int8, 1 and 2 threads,
+                          each against its own memory floor (the bytes of that precision's pass).
 
 Both time their contenders in interleaved rounds (timing.py), so that a slow spell hits all alike.
 """
@@ -17,7 +18,8 @@ import torch
 
 from ...basics.adam import Adam
 from ...tuning.build import CPUAdamUnavailable
-from ...tuning.cpu_adam import CPUAdam, cpu_adam_update, memory_floor, supported_variants
+from ...tuning.cpu_adam import CPUAdam, cpu_adam_update, dispatched_variant, memory_floor, supported_variants
+from ...tuning.cpuinfo import cpu_model
 from ...tuning.state_precision import BLOCK, PRECISIONS, zeros_state
 from .timing import interleaved_ms
 
@@ -27,8 +29,8 @@ STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 2 * 4 / BLOCK}
 
 
 def pass_bytes(precision: str) -> float:
-    """Bytes one Adam pass moves a parameter: w read and written, the fp32 gradient read, the moments read and
-    written in their precision (28 for fp32)."""
+    """Bytes one offloaded Adam pass moves a parameter: w read and written (8), the fp16 gradient read and the
+    fp16 weight written (4), the moments read and written in their precision (28 for fp32, 20 bf16, ~16 int8)."""
     return 12 + 2 * STATE_BYTES[precision]
 
 
@@ -113,52 +115,63 @@ def offload_update(numel: int = 16_700_000, rounds: int = 7, threads: int = 2) -
 
 
 def moment_precisions(numel: int = 16_700_000, rounds: int = 7, threads: int = 2) -> dict:
-    """One Adam step over `numel` fp32 weights (fp32 gradients, no rounded copy) with the moments stored in
-    each precision of tuning/state_precision.py, per variant and thread count; and the memory floor of the
-    fp32 pass at `threads` threads, whose bandwidth the narrow passes are measured against."""
+    """The offloaded update (fp16 gradients in, Adam, fp16 weights out) over `numel` fp32 weights with the
+    moments stored in each precision of tuning/state_precision.py, by the variant "auto" runs, on 1 and on
+    `threads` threads; and beside each, that precision's own memory floor: the same bytes moved with no
+    arithmetic (28, 20 and about 16 a parameter). All interleaved in one run, so the ratios hold."""
     torch.set_num_threads(threads)
-    grad = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-    steps = {}
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(0)).half()
+    counts = sorted({1, threads})
+    steps, floors = {}, {}
     for precision in PRECISIONS if _c_variants() else ():
+        out = torch.empty(numel, dtype=torch.float16)
         param, state, counter = torch.zeros(numel), zeros_state(numel, precision), itertools.count(1)
-        for variant in _c_variants():
-            for count in range(1, threads + 1):
-                steps[f"{precision} {variant} x{count}"] = lambda p=param, s=state, v=variant, t=count, c=counter: (
-                    cpu_adam_update(
-                        p, grad, s["exp_avg"], s["exp_avg_sq"], exp_avg_scale=s.get("exp_avg_scale"),
-                        exp_avg_sq_scale=s.get("exp_avg_sq_scale"), step=next(c), lr=1e-3, variant=v, threads=t,
-                    )
-                )  # fmt: skip
-    if steps:
-        scratch = [torch.zeros(numel) for _ in range(3)]
-        steps["memory floor"] = lambda: memory_floor(
-            scratch[0], grad, scratch[1], scratch[2], threads=threads
-        )
-    ms = interleaved_ms(steps, rounds, desc="moment precisions")
-    return {"numel": numel, "threads": threads, "median_ms": ms, "floor_ms": ms.pop("memory floor", None),
-            "state_bytes": STATE_BYTES, "pass_bytes": {p: pass_bytes(p) for p in PRECISIONS}}  # fmt: skip
+        scratch, scratch_state = torch.zeros(numel), zeros_state(numel, precision)
+        for count in counts:
+            steps[(precision, count)] = lambda p=param, s=state, o=out, t=count, c=counter: cpu_adam_update(
+                p, grad, s["exp_avg"], s["exp_avg_sq"], exp_avg_scale=s.get("exp_avg_scale"),
+                exp_avg_sq_scale=s.get("exp_avg_sq_scale"), step=next(c), lr=1e-3, out=o, threads=t,
+            )  # fmt: skip
+            floors[(precision, count)] = lambda p=scratch, s=scratch_state, o=out, t=count: memory_floor(
+                p, grad, s["exp_avg"], s["exp_avg_sq"], exp_avg_scale=s.get("exp_avg_scale"),
+                exp_avg_sq_scale=s.get("exp_avg_sq_scale"), out=o, threads=t,
+            )  # fmt: skip
+    named = {f"{p} x{t}": fn for (p, t), fn in steps.items()}
+    named.update({f"{p} x{t} floor": fn for (p, t), fn in floors.items()})
+    ms = interleaved_ms(named, rounds, desc="moment precisions")
+    rows = [
+        {"precision": p, "threads": t, "pass_bytes": pass_bytes(p), "ms": ms[f"{p} x{t}"],
+         "floor_ms": ms[f"{p} x{t} floor"], "fp32_ms": ms[f"fp32 x{t}"]}
+        for p, t in steps
+    ]  # fmt: skip
+    return {"numel": numel, "cpu": cpu_model(), "variant": dispatched_variant() if steps else None, "rows": rows,
+            "state_bytes": STATE_BYTES}  # fmt: skip
 
 
 def print_moment_precisions(result: dict) -> None:
-    numel, floor = result["numel"], result["floor_ms"]
+    numel = result["numel"]
     print(
-        f"\nAdam step over {numel:,} fp32 weights, the moments stored in fp32, bf16 or int8 (fp32 gradients)"
+        f"\nOffloaded update over {numel:,} fp32 weights (fp16 gradients in, fp16 weights out), the moments "
+        f"stored in fp32, bf16 or int8\nCPU: {result['cpu']}; kernel variant: {result['variant']}"
     )
-    if not result["median_ms"]:
+    if not result["rows"]:
         print("skipped: the C Adam cannot be built here")
         return
-    floor_gbps = BYTES_PER_PARAM * numel / floor / 1e6
     print(
-        f"{'moments, variant, threads':<28}{'state B':>8}{'pass B':>8}{'ms':>8}{'GB/s':>8}{'of floor GB/s':>15}"
+        f"{'moments, threads':<18}{'B/param':>8}{'ms':>8}{'GB/s':>7}{'floor ms':>10}{'of floor':>10}"
+        f"{'vs fp32':>9}"
     )
-    for name, ms in result["median_ms"].items():
-        precision = name.split()[0]
-        gbps = pass_bytes(precision) * numel / ms / 1e6
-        sizes = f"{STATE_BYTES[precision]:>8.3f}{pass_bytes(precision):>8.2f}"
-        print(f"{name:<28}{sizes}{ms:>8.1f}{gbps:>8.1f}{gbps / floor_gbps:>15.0%}")
+    for row in result["rows"]:
+        gbps = row["pass_bytes"] * numel / row["ms"] / 1e6
+        print(
+            f"{row['precision'] + ' x' + str(row['threads']):<18}{row['pass_bytes']:>8.2f}{row['ms']:>8.1f}"
+            f"{gbps:>7.1f}{row['floor_ms']:>10.1f}{row['floor_ms'] / row['ms']:>10.0%}"
+            f"{row['fp32_ms'] / row['ms']:>8.2f}x"
+        )
     print(
-        f"{'memory floor (fp32 pass)':<28}{'':>8}{BYTES_PER_PARAM:>8.2f}{floor:>8.1f}{floor_gbps:>8.1f}"
-        f"\nstate B: bytes a parameter of m and v as stored; pass B: bytes a step moves a parameter"
+        "B/param: bytes a step moves a parameter; floor: the same bytes with no arithmetic (zo_memory_floor); "
+        "of floor: floor ms / ms;\nvs fp32: the fp32-moment step's ms / this one's, same threads, same run "
+        "(targets: bf16 >= 1.3x, int8 >= 1.6x, each >= 90% of its floor)"
     )
 
 
