@@ -39,8 +39,8 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def build_model(seq_len: int) -> LlamaForCausalLM:
-    torch.manual_seed(0)  # the same initial weights on every rank
+def build_model(seq_len: int, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)  # the same initial weights on every rank
     config = LlamaConfig(
         vocab_size=256,  # one token per byte
         hidden_size=128,
