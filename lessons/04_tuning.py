@@ -24,7 +24,8 @@
 # 4. 线程数：什么时候再加线程也没用，以及别和 PyTorch 抢核；
 # 5. 部分卸载（`offload_optimizer.ratio`）：每一层存储的字节与 CPU 上 Adam 的耗时随比例怎么变；
 # 6. 性能模型与 `zo plan`：13B 模型放进一张 80 GB 的卡，预测每步时间，再在这台机器上校准、与引擎实测对照；
-# 7. 导言的"常见误区"表，逐条变成带数字的规则。
+# 7. 导言的"常见误区"表，逐条变成带数字的规则；
+# 8. 优化器状态的精度：m、v 存成 bf16 或 8 位，省下的字节、降不下来的 v、速度和训练损失。
 #
 # 所有数字都在这台机器上现场测出；同一台机器上别的程序也在跑时计时会抖，所以每个比较都交替测量、取中位数。
 # 图保存在仓库根目录的 `out/lessons/04/` 下，同时显示在笔记本里。
@@ -563,7 +564,91 @@ show_advice("4. 'Not reserving host memory' -- 13B offloaded to a host with 256 
 # - **stage 3 + `offload_param`**：参数也要每步经 PCIe 上行，流量从 2 + 2 变成 2 + 4 字节/参数；stage 2 + `offload_optimizer` 放得下时就不该用它；
 # - **主机内存**：每参数 16 字节的模型状态 + 4 字节的 fp16 中转缓冲 = 20 字节，正是导言"16～20 字节/参数"的上限。
 #   13B 需要 260 GB 主机内存，256 GB 的机器放不下。
+
+# %% [markdown]
+# ## 8. 优化器状态的精度：bf16 与 8 位的 m、v
 #
+# **要点**：主权重留在 fp32，只把 m、v 压窄，主机上的优化器状态从 12 字节/参数降到 8（bf16）或约 6（8 位，每 2048 个一块、每块一个尺度）；
+# 一遍扫描要搬的字节从 28 降到 20 或约 16。本节依次看：编码与按块的尺度、窄格式的 v 为什么降不下来、这台机器上的速度、训练出来的损失。
+# 对应第 4 章 4.2.7 节和实验 4.4。
+#
+# 先看按块量化买到了什么：一个张量里第一块的数比其余的大一千倍。每块一个尺度时，小数那几块的误差在它们自己的码间隔以内；
+# 整个张量一个尺度时，小数全被舍入成 0，误差和它们自己一样大（`tuning_moments.round_trip_errors`，编码用的是实验 4.4 要写的 `quantize_blocks`）：
+
+# %%
+from zero_offload.cli.bench.adam import STATE_BYTES as MOMENT_BYTES, pass_bytes
+from zero_offload.lessons import tuning_moments
+from zero_offload.tuning.state_precision import BLOCK, PRECISIONS
+
+print(f"{'m, v stored as':<16}{'host B/param (master + m + v)':>32}{'one pass B/param':>18}")
+for precision in PRECISIONS:
+    print(f"{precision:<16}{4 + MOMENT_BYTES[precision]:>32.3f}{pass_bytes(precision):>18.3f}")
+
+x = torch.randn(4 * BLOCK, generator=torch.Generator().manual_seed(0)) * 1e-3
+x[:BLOCK] *= 1000  # the first block's values are a thousand times the others'
+print()
+for name, value in tuning_moments.round_trip_errors(x).items():
+    print(f"{name:<28}{value:.3g}")
+
+# %% [markdown]
+# 再看 v。Adam 的 v ← β₂v + (1−β₂)g² 每步只挪 0.1%，小于 bf16 的半个间距（相对于数本身约 0.2%～0.4%），也小于 8 位码的半个间隔，
+# 就近舍入之后又回到原处。下面一块 v 的第 0 个元素每步都有梯度（它是块内最大值，决定 8 位的尺度），第 1 个元素从 v₀/4 起没有梯度，本该按 0.999ᵗ 衰减：
+
+# %%
+DECAY_STEPS = 200 if SMOKE else 2000
+decay = tuning_moments.decay_without_gradients(1e-4, DECAY_STEPS)
+for precision, history in decay.items():
+    print(f"{precision}: v[1] after 1 step {history[0]:.4g}, after {DECAY_STEPS} steps {history[-1]:.4g}")
+show(tuning_plots.moment_decay(decay), "moment_decay.png")
+
+# %% [markdown]
+# fp32 的 v 一路下降；bf16 与 8 位的 v 第一步之后就停在原处。梯度变小之后分母仍然偏大、更新偏小。随机舍入可以修正这一点，本引擎没有实现，
+# 所以默认仍是 fp32，窄格式要在收敛曲线上与 fp32 对照（本节最后一格）。
+#
+# ### 速度：字节少了，这台机器上快了多少
+#
+# `make bench` 的 "states" 一节（`bench.moment_precisions`）在同一轮里交替测三种存法的卸载更新，每种旁边是它自己的内存下限
+# （同样的字节，不做运算）。"vs fp32" 是 fp32 那一行的毫秒数除以这一行的：
+
+# %%
+MOMENTS_N = 262_144 if SMOKE else 8_000_000
+moments_speed = bench.moment_precisions(MOMENTS_N, rounds=3 if SMOKE else 7, threads=2)
+torch.set_num_threads(1)
+bench.print_moment_precisions(moments_speed)
+
+# %% [markdown]
+# 读这张表看两列。"of floor" 是这一行离它自己的下限多远：fp32 那一行在内存带宽上，贴近 100%；如果窄格式的行明显低于 100%，
+# 它们就不再受内存限制，而是受运算限制（解码、开方、两次除法、重新编码），省下的字节没有变成省下的时间。"vs fp32" 就是这件事的结果：
+# 字节之比（28/20 = 1.4，28/16 = 1.75）是它的上限，运算够快时才能接近。在忙碌的双核虚拟机上，这两列会随负载变化。
+#
+# ### 训练：损失差多少
+#
+# 先在这里跑一个短的：TinyGPT "tiny"，阶段 2 + 卸载，C Adam，三种存法，同一个种子：
+
+# %%
+LIVE_STEPS = 20 if SMOKE else 150
+live = {p: tuning_moments.train_tinygpt(p, seed=0, steps=LIVE_STEPS, corpus=CORPUS) for p in PRECISIONS}
+torch.set_num_threads(1)
+for precision, run in live.items():
+    gap = run["val_loss"] / live["fp32"]["val_loss"] - 1
+    print(f"{precision}: host optimizer states {run['host_optimizer_bytes_per_param']:.3f} B/param, "
+          f"held-out loss after {LIVE_STEPS} steps {run['val_loss']:.4f} ({gap:+.2%} vs fp32)")
+
+# %% [markdown]
+# 一个种子、一百多步说明不了多少。`tools/measure_moment_convergence.py` 做了完整的比较：TinyGPT 500 步（fp32 计算与 fp16 加损失缩放各一组）、
+# `examples/finetune_llama` 的 Llama 200 步，每种存法 3 个种子。它的输出提交在 `course/measured/moment-convergence.txt`（每一步的损失在同名 .json 里），
+# 图由同一个脚本画出：
+
+# %%
+MEASURED = ROOT / "course" / "measured" / "moment-convergence.txt"
+print(MEASURED.read_text())
+display(Image(filename=str(ROOT / "course" / "figures" / "moment-convergence.png")))
+
+# %% [markdown]
+# 表里 "vs fp32" 是三个种子的平均验证损失相对 fp32 的差，"per seed" 是每个种子与同种子 fp32 的差，"spread" 是三个种子之间的极差。
+# 种子之间的差和存法之间的差放在一起看：存法的差比种子的差小，就说不出谁更好。第 4 章 4.2.7 节引用的就是这个文件。
+
+# %% [markdown]
 # ## 小结
 #
 # - Adam 每个参数搬 28 字节、做十几次运算，算术强度约 0.5 FLOP/字节，远低于 CPU 的平衡点：任何一遍扫描的实现都以内存带宽为上限；
@@ -573,22 +658,24 @@ show_advice("4. 'Not reserving host memory' -- 13B offloaded to a host with 256 
 # - 卸载后的更新一遍扫描 28 字节，PyTorch 分四遍要 48 字节并且每步新分配一块 fp32 梯度。
 # - 线程数加到内存饱和为止；CPU Adam、PyTorch、数据加载的线程加起来不要超过核数。
 # - 部分卸载按比例把主机的字节、PCIe 流量和 CPU 时间挪回设备，训练结果不变。
+# - m、v 存成 bf16 或按块的 8 位，主机上的优化器状态从 12 降到 8 或约 6 字节/参数；就近舍入吞掉 v 每步 0.1% 的衰减，默认仍是 fp32。
 # - 性能模型：计算 6·P·tokens / (TFLOP/s·MFU)，PCIe 下行、上行各 2 字节/参数（全双工：串行相加，重叠取较长的一个方向），
 #   CPU Adam = 主机上的参数 / 这个 rank 的吞吐（只用自己插槽的内存带宽），串行求和、重叠取最大；
 #   13B 单卡：设备 26 GB 的 fp16 权重加激活，主机 16 + 4 字节/参数 = 260 GB。
 #
 # ## 接下来：实验 4
 #
-# 在仓库根目录运行 `make lab4` 为实验 4 评分（`make lab4 LAB_DIR=solutions` 看参考答案）。三个任务都在
-# `labs/lab4/tuning/csrc/cpu_adam.c` 里，评分时你的 C 文件被现场编译：
+# 在仓库根目录运行 `make lab4` 为实验 4 评分（`make lab4 LAB_DIR=solutions` 看参考答案）。前三个任务在
+# `labs/lab4/tuning/csrc/cpu_adam.c` 里，评分时你的 C 文件被现场编译；第四个在 `labs/lab4/tuning/state_precision.py` 里，是纯 Python：
 #
 # | 任务 | 内容 | 位置 |
 # |---|---|---|
 # | Lab 4.1 | AVX2 + FMA 的 fp32 向量循环 | `adam_avx2` |
 # | Lab 4.2 | 用 F16C 把 8 个新权重舍入成 fp16 写出 | `store8_out` |
 # | Lab 4.3 | 标量尾巴：不足 8 个的元素 | `adam_avx2` 末尾 |
+# | Lab 4.4 | 按 2048 个一块量化一个矩：每块的尺度、就近舍入的码、m 有符号、√v 无符号 | `quantize_blocks` |
 #
-# 4.1、4.2 需要支持 AVX2/FMA/F16C 的 x86-64 CPU，在 ARM（包括 Apple silicon）上会被跳过并说明原因；4.3 在 ARM 上用一个可移植的小程序评分。
+# 4.1、4.2 需要支持 AVX2/FMA/F16C 的 x86-64 CPU，在 ARM（包括 Apple silicon）上会被跳过并说明原因；4.3 在 ARM 上用一个可移植的小程序评分；4.4 是纯 Python，在任何机器上评分。
 #
 # ## 练习
 #
@@ -597,3 +684,4 @@ show_advice("4. 'Not reserving host memory' -- 13B offloaded to a host with 256 
 # 3. 在第 6 节的 13B 单卡场景里，链路带宽降到多少 GB/s 时，批 1 完全重叠的一步里 PCIe 才成为瓶颈？先用公式算，再用 `zo plan --link` 验证。
 # 4. 你的机器有多少核、多少内存通道？运行 `zo plan --preset this-cpu --calibrate --params 1B`，再把 `--threads` 从 1 加到核数，
 #    CPU Adam 的吞吐在第几个线程饱和？
+# 5. 第 8 节的衰减实验里，把 β₂ 改成 0.99、0.9。bf16 的 v 从哪个 β₂ 起开始跟着衰减？用半个间距（相对约 2⁻⁹～2⁻⁸）先算，再运行验证。

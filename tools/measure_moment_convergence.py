@@ -32,22 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 PRECISIONS = ("fp32", "bf16", "int8")
 SEEDS = (0, 1, 2)
 STEPS = {"tinygpt": 500, "tinygpt-fp16": 500, "llama": 200}
-LAST = 20  # training steps averaged for the "last steps" loss
-VAL_BATCHES = 8
 GOAL = 0.01  # the issue's bar: final loss within 1% of fp32 states
-
-
-def tinygpt_config(precision: str, fp16: bool) -> dict:
-    config = {
-        "train_batch_size": 16,
-        "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.999], "weight_decay": 0.01}},
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-        "zero_offload": {"cpu_adam": {"impl": "simd", "threads": 1, "states": precision}},
-    }
-    if fp16:
-        config["fp16"] = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 100}
-    return config
 
 
 def _llama_example():
@@ -58,70 +43,34 @@ def _llama_example():
     return module
 
 
+def llama_loss(engine, x, y):
+    return engine(input_ids=x, labels=x).loss  # the model shifts the labels itself
+
+
 def _run(job: tuple[str, str, int, int]) -> dict:
     """One training run in a fresh process: one thread, no process group."""
     workload, precision, seed, steps = job
     import torch
 
     torch.set_num_threads(1)
-    import zero_offload as zo
-    from zero_offload.accelerator import EmulatedAccelerator
-    from zero_offload.workloads import ByteBatches, TinyGPT, gpt_config, lm_loss, load_corpus
+    from zero_offload.lessons.tuning_moments import train_tinygpt, train_with_moments
+    from zero_offload.workloads import ByteBatches, load_corpus
 
     corpus = load_corpus()
     if workload == "llama":
-        example = _llama_example()
-        seq_len = 128
+        example, seq_len = _llama_example(), 128
         model = example.build_model(seq_len, seed=seed)
         config = json.loads((REPO / "examples/finetune_llama/ds_config.json").read_text())
         config["scheduler"]["params"]["total_num_steps"] = steps
         config["zero_offload"] = {"cpu_adam": {"impl": "simd", "threads": 1, "states": precision}}
-        groups = example.decay_groups(model)
-
-        def loss_of(engine, x, y):
-            return engine(input_ids=x, labels=x).loss
+        train, held_out = ByteBatches(corpus, seq_len, seed=seed), ByteBatches(corpus, seq_len, split="val")
+        result = train_with_moments(model, config, train, held_out, llama_loss, steps,
+                                    param_groups=example.decay_groups(model))  # fmt: skip
     else:
-        cfg = gpt_config("tiny")
-        seq_len = cfg.seq_len
-        model = TinyGPT(cfg, seed=seed)
-        config = tinygpt_config(precision, fp16=workload.endswith("fp16"))
-        groups = None
-
-        def loss_of(engine, x, y):
-            return lm_loss(engine(x), y)
-
-    engine = zo.initialize(model, config, accelerator=EmulatedAccelerator(), param_groups=groups)
-    train = ByteBatches(corpus, seq_len, seed=seed)
-    held_out = ByteBatches(corpus, seq_len, split="val")  # the same held-out batches for every seed
-    accumulation = engine.gradient_accumulation_steps
-    micro = engine.config.train_micro_batch_size_per_gpu
-    losses = []
-    for step in range(steps):
-        total = 0.0
-        for k in range(accumulation):
-            x, y = train.micro_batch(step, micro, micro_step=k, accumulation=accumulation)
-            loss = loss_of(engine, x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / accumulation
-        losses.append(total)
-    with torch.no_grad():
-        val = [(loss_of(engine, *held_out.global_batch(i, micro)).item()) for i in range(VAL_BATCHES)]
-    per_param = engine.memory_report().optimizer_bytes_per_param()
-    result = {
-        "workload": workload,
-        "precision": precision,
-        "seed": seed,
-        "steps": steps,
-        "num_params": engine.num_params,
-        "val_loss": sum(val) / len(val),
-        "last_loss": sum(losses[-LAST:]) / len(losses[-LAST:]),
-        "losses": losses,
-        "skipped_steps": engine.skipped_steps,
-        "host_optimizer_bytes_per_param": per_param["host"],
-    }
-    engine.close()
-    return result
+        result = train_tinygpt(
+            precision, seed=seed, steps=steps, corpus=corpus, fp16=workload.endswith("fp16")
+        )
+    return {"workload": workload, "precision": precision, "seed": seed, **result}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -156,7 +105,7 @@ def summarize(runs: list[dict]) -> dict:
 def printed(result: dict) -> str:
     lines = [f"CPU: {result['machine']['cpu']}; C Adam variant: {result['machine']['kernel_variant']}"]
     lines.append(result["command"])
-    lines.append(f"final loss: validation loss after the last step, mean of {VAL_BATCHES} held-out batches")
+    lines.append("final loss: validation loss after the last step, mean of 8 held-out batches")
     for workload, rows in result["summary"].items():
         lines.append(f"\n{workload} ({_about(result, workload)}):")
         lines.append(

@@ -123,3 +123,17 @@ def step_parts(batches: list[int], times: list, seq_len: int) -> plt.Figure:
     ax.set_title("13B, one A100-80GB, stage 2 + offload: serial step split per token")
     ax.legend(fontsize=8)
     return fig
+
+
+def moment_decay(decay: dict[str, list[float]]) -> plt.Figure:
+    """v of one element with no gradient, step by step, stored in each precision (lesson 4, section 8)."""
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for (precision, history), style in zip(decay.items(), ("k-", "b--", "r:"), strict=True):
+        ax.plot(range(1, len(history) + 1), history, style, label=f"v stored in {precision}", linewidth=1.6)
+    ax.set_yscale("log")
+    ax.set_xlabel("step (gradient 0 for this element)")
+    ax.set_ylabel("v")
+    ax.set_title("v <- beta2 v, beta2 = 0.999: a narrow v rounds back to where it was")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    return fig
