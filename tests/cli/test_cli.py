@@ -84,5 +84,26 @@ def test_demo_runs_end_to_end_on_two_ranks_and_writes_its_report(tmp_path):
     assert set(results["schedules"]) <= {"split", "shared"} and results["schedules"]
     largest = results["largest"]
     assert largest["with"]["params"] > 10 * largest["without"]["params"]
+    # The offloaded run keeps 8-bit moments on the host; the same host's bytes a parameter, fp32 against int8.
+    assert largest["with"]["moments"] == "int8" and largest["with"]["optimizer_bytes_per_param"] < 6.1
+    capacity = largest["host_capacity"]
+    assert capacity["fp32"]["optimizer_bytes_per_param"] == 12.0
+    assert capacity["fp32"]["host_bytes_per_param"] - capacity["int8"]["host_bytes_per_param"] > 5.9
+    assert capacity["more_params"] > 1 and "What the 8-bit moments buy" in text
     for plot in ("memory_13b.png", "loss.png", "memory_per_tier.png", "timeline_overlapped_shared.png"):
         assert (tmp_path / plot).stat().st_size > 10_000
+
+
+def test_the_largest_model_needs_less_host_with_8_bit_moments_and_falls_back_without_a_compiler(monkeypatch):
+    from zero_offload.cli.bench import largest
+    from zero_offload.tuning.build import CPUAdamUnavailable
+
+    assert largest.host_bytes_needed("1b", "int8") < largest.host_bytes_needed("1b", "fp32")
+    config = largest._config(largest.gpt_config("nano"), True, 2**20, "int8")
+    assert config["zero_offload"]["cpu_adam"]["states"] == "int8"
+
+    def no_compiler():
+        raise CPUAdamUnavailable("no C compiler")
+
+    monkeypatch.setattr(largest, "build", no_compiler)
+    assert largest.offload_moments() == "fp32"  # the demo still runs, with fp32 moments, and says so

@@ -261,6 +261,29 @@ def machine_parts(out: Path, budget: int, *, quick: bool) -> dict:
         f"with stage 3 + param and optimizer offload: {offloaded['params'] / 1e6:,.0f}M parameters, losses "
         + " -> ".join(f"{v:.3f}" for v in offloaded["losses"])
         + f", device peak {format_bytes(offloaded['device_peak'])}, host {format_bytes(offloaded['host_bytes'])}; "
-        f"{offloaded['params'] / plain['params']:.0f}x the largest model without offload"
+        f"{offloaded['params'] / plain['params']:.0f}x the largest model without offload; Adam's moments in "
+        f"{offloaded['moments']} on the host"
     )
-    return {"schedules": schedules, "largest": {"without": plain, "with": offloaded}}
+    capacity = largest.get("host_capacity")
+    if capacity:
+        say(host_capacity_line(capacity))
+    else:
+        say("the C Adam could not be built here, so the moments stayed fp32 (8-bit moments need it)")
+    return {"schedules": schedules, "largest": largest}
+
+
+def host_capacity_line(capacity: dict) -> str:
+    """What the 8-bit moments buy on this host, from host_capacity()'s measurement."""
+    fp32, int8 = capacity["fp32"], capacity["int8"]
+    line = (
+        f"host bytes a parameter ({capacity['model']}, stage 3 + offload, measured): "
+        f"{fp32['host_bytes_per_param']:.2f} with fp32 moments, {int8['host_bytes_per_param']:.2f} with int8 "
+        f"(optimizer states {fp32['optimizer_bytes_per_param']:.3f} -> {int8['optimizer_bytes_per_param']:.3f})"
+    )
+    if capacity["available"]:
+        line += (
+            f"; this host's {format_bytes(capacity['available'])} free holds "
+            f"{fp32['params_this_host_holds'] / 1e9:.2f}B parameters with fp32 moments, "
+            f"{int8['params_this_host_holds'] / 1e9:.2f}B with int8"
+        )
+    return line + f": {capacity['more_params']:.2f}x the parameters"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...units import format_bytes, format_gb
+from .parts import host_capacity_line
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -100,9 +101,12 @@ def write_report(out: Path, results: dict) -> Path:
             + " -> ".join(f"{v:.3f}" for v in offloaded["losses"])
             + f", device peak {format_bytes(offloaded['device_peak'])}, host "
             f"{format_bytes(offloaded['host_bytes'])}: **{offloaded['params'] / plain['params']:.0f}x**. "
-            "The paper: 13B on one 32 GB V100 against 1.4B for PyTorch.",
+            "The paper: 13B on one 32 GB V100 against 1.4B for PyTorch. "
+            f"Adam's moments were stored in {offloaded.get('moments', 'fp32')} on the host.",
             "",
         ]
+        if largest.get("host_capacity"):
+            lines += [f"What the 8-bit moments buy: {host_capacity_line(largest['host_capacity'])}.", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
