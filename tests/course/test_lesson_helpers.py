@@ -16,6 +16,7 @@ from zero_offload.lessons import (
     practice_runs,
     practice_steps,
     tuning_kernel,
+    tuning_moments,
     tuning_partial,
     tuning_plots,
     tuning_threads,
@@ -266,3 +267,17 @@ def test_run_summaries_format():
         run, run, 3.0
     )
     plt.close(practice_runs.plot_largest({"a": 1, "b": 2, "c": 3, "d": 4}, "1 MiB", {"x": 1e9, "y": 2e9}))
+
+
+def test_the_moment_lessons_helpers_show_what_they_claim():
+    decay = tuning_moments.decay_without_gradients(1e-4, 50)
+    fp32 = decay["fp32"]
+    # fp32 follows v <- 0.999 v from v0 / 4 (within fp32 rounding); the narrow ones keep their first value.
+    assert fp32[-1] == pytest.approx(2.5e-5 * 0.999**50, rel=1e-5)
+    assert decay["bf16"][-1] == decay["bf16"][0] and decay["int8"][-1] == decay["int8"][0]
+    x = torch.randn(4 * 2048, generator=torch.Generator().manual_seed(0)) * 1e-3
+    x[:2048] *= 1000
+    errors = tuning_moments.round_trip_errors(x)
+    assert errors["per block, small blocks"] < errors["small values' size"] / 100
+    assert errors["per tensor, small blocks"] == pytest.approx(errors["small values' size"])
+    plt.close(tuning_plots.moment_decay(decay))
