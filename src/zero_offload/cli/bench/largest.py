@@ -177,10 +177,11 @@ def offloaded_run(model: str = "1b", *, budget: int, steps: int = 3, moments: st
     return result
 
 
-def host_capacity(budget: int, model: str = "small") -> dict:
+def host_capacity(budget: int, model: str = "small", available: int | None = None) -> dict:
     """Host bytes a parameter with fp32 and with int8 moments, measured by one step of preset `model` under
-    stage 3 + offload, and the parameters this host's free memory holds with each (None where unknown)."""
-    available = host_memory_available()
+    stage 3 + offload, and the parameters `available` bytes of host memory (default: free now) hold with each
+    (None where unknown)."""
+    available = host_memory_available() if available is None else available
     result = {"model": model, "available": available}
     for moments in ("fp32", "int8"):
         run = train_steps(
@@ -199,12 +200,16 @@ def host_capacity(budget: int, model: str = "small") -> dict:
 def measure(budget: int, *, quick: bool = False) -> dict:
     """Both sides of the comparison, the largest preset this host's memory allows right now (or 'nano'/'small'
     in quick mode), and what the int8 moments buy on this host."""
+    # Free host memory before anything here has run: memory a process frees is not all given back.
+    available = host_memory_available()
     plain, moments = largest_without_offload(budget), offload_moments()
     model = "small" if quick else largest_preset_for_this_host(moments)
     offloaded = offloaded_run(model, budget=budget, steps=3, moments=moments)
     result = {"without": plain, "with": offloaded}
     if moments == MOMENTS:
-        result["host_capacity"] = host_capacity(budget, model="nano" if quick else "small")
+        result["host_capacity"] = host_capacity(
+            budget, model="nano" if quick else "small", available=available
+        )
     return result
 
 
