@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from zero_offload.cli.bench import adam as bench_adam
 from zero_offload.cli.bench import cpu as bench_cpu
 from zero_offload.cli.bench import run as bench
 from zero_offload.cli.bench.timing import _busy_fraction, wait_until_quiet
@@ -61,3 +62,30 @@ def test_the_cpu_sections_report_the_machine_and_never_judge(capsys):
                                     "ours_vs_fused": {"quiet": 1.0, "after a torch op": 0.8}, "machine": machine})  # fmt: skip
     out = capsys.readouterr().out
     assert "1.00x" in out and "0.80x" in out and "burnt 6.0 ms" in out
+
+
+def test_the_floor_is_the_faster_of_plain_and_streaming_stores():
+    ms = {"bf16 x2": 9.0, "bf16 x2 floor": 8.0, "bf16 x2 floor, streaming output": 7.0}
+    assert bench_adam.floor_stores(ms, "bf16 x2 floor") == (7.0, "streaming")
+    assert ms == {"bf16 x2": 9.0}, "both floors leave the timings"
+    assert bench_adam.floor_stores({"f": 6.0, "f, streaming output": 7.5}, "f") == (6.0, "plain")
+    assert bench_adam.floor_stores({"f": 6.0}, "f") == (6.0, "plain")  # a CPU without streaming stores
+    assert bench_adam.floor_stores({}, "f") == (None, None)  # no C Adam: no floor
+
+
+def test_the_kernel_sections_run_small_and_say_which_floor_they_used(capsys):
+    pytest.importorskip("cffi")
+    states = bench_adam.moment_precisions(numel=3 * 2**16 + 5, rounds=1, threads=2)
+    update = bench_adam.offload_update(numel=3 * 2**16 + 5, rounds=1, threads=2)
+    if not states["rows"]:
+        pytest.skip("the C Adam cannot be built here")
+    assert {(r["precision"], r["threads"]) for r in states["rows"]} == {
+        (p, t) for p in ("fp32", "bf16", "int8") for t in (1, 2)
+    }
+    for row in states["rows"]:
+        assert row["floor_ms"] > 0 and row["floor_stores"] in ("plain", "streaming")
+    assert update["floor_ms"] > 0 and update["floor_stores"] in ("plain", "streaming")
+    bench_adam.print_moment_precisions(states)
+    bench_adam.print_offload_update(update)
+    out = capsys.readouterr().out
+    assert "stores" in out and "int8 x2" in out and "memory floor (28 bytes a parameter)" in out

@@ -134,12 +134,23 @@ def test_bf16_rounding_edges(variant):
     assert torch.equal(out[~want.isnan()], want[~want.isnan()])
 
 
-def test_the_memory_floor_touches_every_element_and_refuses_other_layouts():
-    n = 1000
+@pytest.mark.parametrize("nontemporal", [False, True], ids=["plain stores", "streaming stores"])
+def test_the_memory_floor_touches_every_byte_and_refuses_other_layouts(nontemporal):
+    # Two threads and a tail that is not a whole vector: every byte of w, m and v is read and written back
+    # plus one (so that no array is skipped and no store is left out), and the gradient is copied to the output.
+    n = 2**17 + 77
     param, grad, m, v = _tensors(n)
     grad16, out = grad.half(), torch.zeros(n, dtype=torch.float16)
-    memory_floor(param, grad16, m, v, out=out, threads=2)
+    before = [t.clone() for t in (param, m, v)]
+    try:
+        memory_floor(param, grad16, m, v, out=out, threads=2, nontemporal=nontemporal)
+    except ValueError as err:  # a CPU without AVX2 has no streaming stores, and says so
+        assert nontemporal and "AVX2" in str(err)
+        return
     assert torch.equal(out, grad16), "the 16-bit floor copies the gradient bits to the output, all of them"
+    for name, old, new in zip(("param", "exp_avg", "exp_avg_sq"), before, (param, m, v), strict=True):
+        plus_one = (old.view(torch.uint8).int() + 1) % 256
+        assert torch.equal(new.view(torch.uint8).int(), plus_one), f"{name}: every byte once"
     with pytest.raises(ValueError, match="16-bit gradients with a 16-bit output"):
         memory_floor(param, grad, m, v, out=out)
     with pytest.raises(ValueError, match="grad has 999 elements"):

@@ -22,7 +22,7 @@ class Timings:
     def __init__(self, ms: dict[str, float]):
         self.ms, self.calls = ms, 0
 
-    def __call__(self, variants, threads):
+    def __call__(self, variants, threads, precision):
         self.calls += 1
         return {v: self.ms[v] for v in variants}
 
@@ -30,7 +30,11 @@ class Timings:
 @pytest.fixture(autouse=True)
 def fixed_key(monkeypatch):
     # The key names the kernel's build: no compiler needed for these tests.
-    monkeypatch.setattr(variant_choice, "choice_key", lambda threads: f"this CPU | {threads} thread(s)")
+    monkeypatch.setattr(
+        variant_choice,
+        "choice_key",
+        lambda threads, precision="fp32": f"this CPU | {threads} thread(s) | {precision}",
+    )
 
 
 def test_the_fastest_variant_is_chosen_even_when_it_is_not_the_widest(tmp_path):
@@ -39,7 +43,7 @@ def test_the_fastest_variant_is_chosen_even_when_it_is_not_the_widest(tmp_path):
     # Measured once: the next engine, in this process or another, reads the answer.
     assert fastest_variant(1, VARIANTS, measure=measure, directory=tmp_path) == "avx2"
     assert measure.calls == 1
-    entry = cached_choices(tmp_path)["this CPU | 1 thread(s)"]
+    entry = cached_choices(tmp_path)["this CPU | 1 thread(s) | fp32"]
     assert entry == {"variant": "avx2", "ms": {"scalar": 30.0, "avx2": 7.2, "avx512": 10.6}}
 
 
@@ -50,14 +54,35 @@ def test_each_thread_count_is_measured_for_itself(tmp_path):
     assert one.calls == two.calls == 1 and len(cached_choices(tmp_path)) == 2
 
 
+def test_each_precision_of_the_moments_is_measured_for_itself(tmp_path):
+    # The Xeon's shape: with int8 moments the 512-bit loop wins, with bf16 and fp32 the 256-bit one.
+    shapes = {"fp32": {"avx2": 13.7, "avx512": 14.4}, "bf16": {"avx2": 12.4, "avx512": 13.2},
+              "int8": {"avx2": 13.1, "avx512": 11.7}}  # fmt: skip
+    asked = []
+
+    def measure(variants, threads, precision):
+        asked.append(precision)
+        return shapes[precision]
+
+    chosen = {
+        p: fastest_variant(2, ["avx2", "avx512"], p, measure=measure, directory=tmp_path) for p in shapes
+    }
+    assert chosen == {"fp32": "avx2", "bf16": "avx2", "int8": "avx512"}
+    assert asked == ["fp32", "bf16", "int8"]
+    assert fastest_variant(2, ["avx2", "avx512"], "int8", measure=measure, directory=tmp_path) == "avx512"
+    assert len(asked) == 3  # read back, not measured again
+
+
 @pytest.mark.parametrize(
-    "damage", ["{not json", "[1, 2]", '{"this CPU | 1 thread(s)": {"variant": "avx512"}}']
+    "damage", ["{not json", "[1, 2]", '{"this CPU | 1 thread(s) | fp32": {"variant": "avx512"}}']
 )
 def test_a_damaged_cache_or_a_variant_this_cpu_lacks_is_measured_again(tmp_path, damage):
     (tmp_path / CACHE_FILE).write_text(damage)
     measure = Timings({"scalar": 9.0, "avx2": 3.0})
     assert fastest_variant(1, ["scalar", "avx2"], measure=measure, directory=tmp_path) == "avx2"
-    assert measure.calls == 1 and cached_choices(tmp_path)["this CPU | 1 thread(s)"]["variant"] == "avx2"
+    assert (
+        measure.calls == 1 and cached_choices(tmp_path)["this CPU | 1 thread(s) | fp32"]["variant"] == "avx2"
+    )
 
 
 def test_a_cache_directory_that_cannot_be_written_costs_a_measurement_not_an_error(tmp_path):
@@ -77,10 +102,10 @@ def _slow_measure(variants, threads, log):
 
 
 def _choose(directory, log, queue):
-    variant_choice.choice_key = lambda threads: "this CPU"
+    variant_choice.choice_key = lambda threads, precision="fp32": "this CPU"
     queue.put(
         fastest_variant(
-            1, ["avx2", "avx512"], measure=lambda v, t: _slow_measure(v, t, log), directory=directory
+            1, ["avx2", "avx512"], measure=lambda v, t, p: _slow_measure(v, t, log), directory=directory
         )
     )
 
@@ -106,7 +131,23 @@ def test_the_key_names_the_cpu_the_kernel_build_and_the_threads(monkeypatch):
     monkeypatch.undo()  # the real key
     pytest.importorskip("cffi")
     try:
-        key = choice_key(2)
+        key, narrow = choice_key(2), choice_key(2, "int8")
     except Exception as err:  # no compiler: the kernel has no build to name
         pytest.skip(f"the C Adam cannot be built here: {err}")
-    assert "zo_cpu_adam_" in key and key.endswith("2 thread(s)")
+    assert "zo_cpu_adam_" in key and key.endswith("2 thread(s) | fp32 moments")
+    assert narrow.endswith("2 thread(s) | int8 moments")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+def test_the_real_measurement_runs_every_variant_on_that_precision(monkeypatch, precision):
+    monkeypatch.undo()
+    pytest.importorskip("cffi")
+    from zero_offload.tuning.cpu_adam import supported_variants
+
+    try:
+        variants = supported_variants()
+    except Exception as err:
+        pytest.skip(f"the C Adam cannot be built here: {err}")
+    monkeypatch.setattr(variant_choice, "SAMPLE", 1 << 14)
+    timings = variant_choice.time_variants(variants, 1, precision)
+    assert set(timings) == set(variants) and all(ms > 0 for ms in timings.values())

@@ -78,11 +78,11 @@ def host_adam_threads(config: Config) -> int | None:
     return threads
 
 
-def kernel_variant(configured: str, threads: int | None) -> str:
-    """The C kernel's loop for zero_offload.cpu_adam.variant: "fastest" is measured on this machine once
-    (tuning/variant_choice.py), "widest" is the kernel's own "auto", a name is itself."""
+def kernel_variant(configured: str, threads: int | None, precision: str = "fp32") -> str:
+    """The C kernel's loop for zero_offload.cpu_adam.variant: "fastest" is measured on this machine once for
+    these threads and moments (tuning/variant_choice.py), "widest" is the kernel's own "auto", a name is itself."""
     if configured == "fastest":
-        return fastest_variant(threads or default_threads(), supported_variants())
+        return fastest_variant(threads or default_threads(), supported_variants(), precision)
     return "auto" if configured == "widest" else configured
 
 
@@ -96,7 +96,7 @@ def simd_optimizer(config: Config, params: list, kwargs: dict, narrow: bool = Fa
             adamw=opt.adamw,
             bias_correction=opt.bias_correction,
             threads=host_adam_threads(config),
-            variant=kernel_variant(adam.variant, host_adam_threads(config)),
+            variant=kernel_variant(adam.variant, host_adam_threads(config), adam.states),
             **kwargs,
         )
     except CPUAdamUnavailable as err:

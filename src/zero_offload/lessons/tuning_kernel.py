@@ -43,7 +43,7 @@ def raw_kernel(kernel, n: int, variant: str = "avx2", threads: int = 1, floor: b
     args.step_size, args.bias_correction2_sqrt = 1e-3 / (1 - 0.9), math.sqrt(1 - 0.999)  # step 1
     keep = (w, g, m, v, args)  # the closure keeps the buffers alive: cffi holds only raw pointers
     if floor:
-        return lambda keep=keep: lib.zo_memory_floor(keep[-1], threads)
+        return lambda keep=keep: lib.zo_memory_floor(keep[-1], threads, 0)
     return lambda keep=keep: lib.zo_adam_update(keep[-1], VARIANT_ID[variant], threads)
 
 

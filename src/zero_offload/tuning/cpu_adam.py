@@ -138,12 +138,14 @@ def memory_floor(
     threads: int | None = None,
     exp_avg_scale=None,
     exp_avg_sq_scale=None,
+    nontemporal: bool = False,
 ) -> None:
     """Move the bytes of one Adam pass with no arithmetic, as a yardstick for timing an update: fp32 gradients
     and no output (28 bytes a parameter), or 16-bit gradients and a 16-bit output (the one-pass offload update,
     also 28). With moments stored narrow (the dtypes and scales cpu_adam_update takes), the bytes of that
     precision's pass: 16-bit gradients and output only (20 bytes a parameter in bf16, about 16 in int8). The
-    tensors are scratch: their values are overwritten with meaningless ones."""
+    tensors are scratch: their values are overwritten with meaningless ones. `nontemporal` writes with streaming
+    stores, which skip the cache (AVX2 CPUs only; elsewhere a ValueError): time both, the faster is the floor."""
     _check_all(param, grad, exp_avg, exp_avg_sq, out, moments=MOMENT_DTYPES)
     state_dtype = _state_dtype(exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale)
     if (grad.dtype == torch.float32) != (out is None) or (out is not None and out.dtype == torch.float32):
@@ -160,7 +162,8 @@ def memory_floor(
     if state_dtype == STATE_INT8:
         args.exp_avg_scale = module.ffi.cast("float *", exp_avg_scale.data_ptr())
         args.exp_avg_sq_scale = module.ffi.cast("float *", exp_avg_sq_scale.data_ptr())
-    module.lib.zo_memory_floor(args, threads or default_threads())
+    if module.lib.zo_memory_floor(args, threads or default_threads(), int(nontemporal)) == -2:
+        raise ValueError("streaming stores need a CPU with AVX2: time the floor with nontemporal=False")
 
 
 def _check_all(param, grad, exp_avg, exp_avg_sq, out, moments=(torch.float32,)) -> None:

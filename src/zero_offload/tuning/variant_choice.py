@@ -4,8 +4,13 @@ Wider is not always faster. The step is bound by memory bandwidth, and on some C
 with AVX2 against 10.6 ms with AVX-512 on 10.8M parameters, one thread) the 512-bit loop loses: its clock drops,
 or its loads queue behind the same memory as the 256-bit one's. So the choice is measured, not assumed.
 
+The moments' precision is part of the question. With fp32 moments the loops wait on memory; with bf16 or int8
+moments they move fewer bytes and do more work a byte (decode, encode), so the wider loop can win where it lost
+with fp32, or lose where it won: an Intel Xeon with AVX-512 measured 13.2 ms (AVX2) against 11.7 ms (AVX-512)
+for int8 moments, but 12.4 against 13.2 for bf16, on 16.7M parameters, two threads.
+
 Measured once per machine: the answer is cached in a file (beside the compiled kernel, `ZO_CACHE_DIR`) keyed by
-the CPU, the kernel's build and the thread count, and a file lock makes the first process measure while the
+the CPU, the kernel's build, the thread count and the moments' precision, and a file lock makes the first process measure while the
 others wait and read its answer. Every process and every rank of a machine thus runs the same loop, and the
 numbers of two runs do not differ by a timing accident. `"variant": "avx2"` (or any other) still forces one.
 """
@@ -30,25 +35,34 @@ REPEATS = 3  # the best of three passes per variant: a busy moment slows one pas
 CACHE_FILE = "cpu_adam_variant.json"
 
 
-def choice_key(threads: int) -> str:
+def choice_key(threads: int, precision: str = "fp32") -> str:
     """What the choice depends on: the CPU, the kernel's build (its module name carries the source's hash),
-    and how many threads share the memory bandwidth."""
-    return f"{cpu_model()} | {build().__name__} | {threads} thread(s)"
+    how many threads share the memory bandwidth, and the moments' precision (which loops run)."""
+    return f"{cpu_model()} | {build().__name__} | {threads} thread(s) | {precision} moments"
 
 
-def time_variants(variants: list[str], threads: int) -> dict[str, float]:
-    """Milliseconds of one Adam pass over SAMPLE fp32 elements, for each variant: the best of REPEATS."""
+def time_variants(variants: list[str], threads: int, precision: str = "fp32") -> dict[str, float]:
+    """Milliseconds of one Adam pass over SAMPLE elements with `precision` moments, for each variant: the best
+    of REPEATS. fp32 moments get fp32 gradients; narrow ones the offloaded step's fp16 gradients in and fp16
+    weights out, the only way the engine runs them."""
     from .cpu_adam import cpu_adam_update  # imports this module: late
+    from .state_precision import zeros_state
 
-    param, grad, exp_avg, exp_avg_sq = (torch.rand(SAMPLE) for _ in range(4))
+    param, grad = torch.rand(SAMPLE), torch.rand(SAMPLE)
+    out = None
+    if precision != "fp32":
+        grad, out = grad.half(), torch.empty(SAMPLE, dtype=torch.float16)
+    state = zeros_state(SAMPLE, precision)
+    moments = {"exp_avg_scale": state.get("exp_avg_scale"), "exp_avg_sq_scale": state.get("exp_avg_sq_scale")}
     timings = {}
     for variant in variants:
         best = float("inf")
         for step in range(1, REPEATS + 2):
             start = time.perf_counter()
             cpu_adam_update(
-                param, grad, exp_avg, exp_avg_sq, step=step, lr=1e-3, variant=variant, threads=threads
-            )
+                param, grad, state["exp_avg"], state["exp_avg_sq"], step=step, lr=1e-3, variant=variant,
+                threads=threads, out=out, **moments,
+            )  # fmt: skip
             if step > 1:  # the first pass faults the pages in and warms the code: not counted
                 best = min(best, time.perf_counter() - start)
         timings[variant] = best * 1e3
@@ -58,20 +72,22 @@ def time_variants(variants: list[str], threads: int) -> dict[str, float]:
 def fastest_variant(
     threads: int,
     variants: list[str],
+    precision: str = "fp32",
     *,
-    measure: Callable[[list[str], int], dict[str, float]] = time_variants,
+    measure: Callable[[list[str], int, str], dict[str, float]] = time_variants,
     directory: Path | None = None,
 ) -> str:
-    """The fastest of `variants` at `threads` threads on this machine: read from the cache, or measured (by
-    `measure`) and written there. A cache that cannot be read or written costs a measurement, never an error."""
+    """The fastest of `variants` at `threads` threads with `precision` moments on this machine: read from the
+    cache, or measured (by `measure`) and written there. A cache that cannot be read or written costs a
+    measurement, never an error."""
     path = (directory or cache_dir()) / CACHE_FILE
-    key = choice_key(threads)
+    key = choice_key(threads, precision)
     with _locked(path):
         cached = _read(path)
         entry = cached.get(key)
         if isinstance(entry, dict) and entry.get("variant") in variants:
             return entry["variant"]
-        timings = measure(variants, threads)
+        timings = measure(variants, threads, precision)
         chosen = min(timings, key=timings.get)
         cached[key] = {"variant": chosen, "ms": {v: round(ms, 3) for v, ms in timings.items()}}
         _write(path, cached)

@@ -710,15 +710,10 @@ ZO_AVX512 static void int8_avx512(const zo_adam_args *a, int64_t begin, int64_t 
     }
 }
 
-/* The AVX-512 narrow loops mirror the AVX2 ones but have not yet been run on an AVX-512 CPU against the tests.
-   Until they have (build with -DZO_NARROW_AVX512=1 there and run tests/modules/test_state_precision.py), an
-   AVX-512 CPU runs the AVX2 narrow loops, which it also has: tested code, at most a little slower. */
-#ifndef ZO_NARROW_AVX512
-#define ZO_NARROW_AVX512 0
-#endif
+/* The AVX-512 narrow loops are tested against the scalar loop as the AVX2 ones are (on an Intel Xeon with
+ * AVX-512). Whether they are faster is the CPU's affair: "variant": "fastest" measures each precision itself. */
 static void narrow_avx512(const zo_adam_args *a, int64_t begin, int64_t end) {
-    if (!ZO_NARROW_AVX512) narrow_avx2(a, begin, end);
-    else if (a->state_dtype == ZO_STATE_INT8) int8_avx512(a, begin, end);
+    if (a->state_dtype == ZO_STATE_INT8) int8_avx512(a, begin, end);
     else bf16_avx512(a, begin, end);
 }
 #else
@@ -806,74 +801,125 @@ int zo_adam_update(const zo_adam_args *a, int variant, int threads) {
 }
 
 /* ------------------------------------------------------------------------------------ the memory floor */
-/* The bytes of one Adam pass with (almost) no arithmetic: read w, g, m, v and write w, m, v (and the 16-bit
- * output when there is one), each element once. An update cannot beat this time on this machine; bench reports
- * each Adam as a fraction of it. The values it leaves are meaningless: use scratch buffers. */
-static void floor_f32(const zo_adam_args *a, int64_t begin, int64_t end) {
-    const float *restrict g = (const float *)a->grad;
-    float *restrict w = a->param, *restrict m = a->exp_avg, *restrict v = a->exp_avg_sq;
-    for (int64_t i = begin; i < end; i++) {
-        w[i] += g[i];
-        m[i] += g[i];
-        v[i] += g[i];
-    }
+/* The bytes of one Adam pass with no arithmetic: read w, g, m, v and write w, m, v (and the 16-bit output when
+ * there is one), each element once, in the same order, chunks and threads as the update. An update cannot beat
+ * this time on this machine by much; bench reports each Adam as a fraction of it. The values it leaves are
+ * meaningless: use scratch buffers.
+ *
+ * To be a floor it must itself run at memory speed, so it does not care what the bytes are: each array is a
+ * run of bytes, read and written back plus one (w, m, v, in place), read (g, when nothing is written from it)
+ * or copied (g into the output: same width), 32 bytes at a time where the CPU has AVX2. With `nontemporal`
+ * the stores are streaming stores (_mm256_stream_si256): they go to memory without first reading the line
+ * into the cache, which saves the output's read (an array only written is otherwise read too) and can free
+ * the cache for the loads. Whichever of the two is faster on this CPU is its floor. */
+enum { ZO_IN_PLACE, ZO_READ, ZO_COPY };
+typedef struct {
+    uint8_t *bytes;     /* the array (ZO_READ: only read) */
+    const uint8_t *src; /* ZO_COPY: where its bytes come from */
+    int size, kind;     /* bytes an element */
+} zo_floor_array;
+
+/* The arrays of a's pass, as one precision's update moves them; returns how many. */
+static int floor_arrays(const zo_adam_args *a, zo_floor_array *arrays) {
+    const int grad_size = a->grad_dtype == ZO_F32 ? 4 : 2;
+    const int moment_size = a->state_dtype == ZO_STATE_F32 ? 4 : a->state_dtype == ZO_STATE_BF16 ? 2 : 1;
+    void *m = a->state_dtype == ZO_STATE_F32 ? (void *)a->exp_avg : a->exp_avg_packed;
+    void *v = a->state_dtype == ZO_STATE_F32 ? (void *)a->exp_avg_sq : a->exp_avg_sq_packed;
+    int count = 0;
+    arrays[count++] = (zo_floor_array){(uint8_t *)a->param, NULL, 4, ZO_IN_PLACE};
+    arrays[count++] = (zo_floor_array){(uint8_t *)m, NULL, moment_size, ZO_IN_PLACE};
+    arrays[count++] = (zo_floor_array){(uint8_t *)v, NULL, moment_size, ZO_IN_PLACE};
+    if (a->out != NULL) arrays[count++] = (zo_floor_array){(uint8_t *)a->out, a->grad, grad_size, ZO_COPY};
+    else arrays[count++] = (zo_floor_array){(uint8_t *)a->grad, NULL, grad_size, ZO_READ};
+    return count;
 }
 
-static void floor_16(const zo_adam_args *a, int64_t begin, int64_t end) { /* 16-bit gradients in, out */
-    const uint16_t *restrict g = (const uint16_t *)a->grad;
-    uint16_t *restrict out = (uint16_t *)a->out;
-    float *restrict w = a->param, *restrict m = a->exp_avg, *restrict v = a->exp_avg_sq;
+/* Bytes [begin, end) of one array, the portable way; returns the xor of what ZO_READ read. */
+static uint8_t floor_bytes_scalar(const zo_floor_array *x, int64_t begin, int64_t end) {
+    uint8_t seen = 0;
     for (int64_t i = begin; i < end; i++) {
-        float x = (float)g[i];
-        w[i] += x;
-        m[i] += x;
-        v[i] += x;
-        out[i] = g[i];
+        if (x->kind == ZO_IN_PLACE) x->bytes[i] += 1;
+        else if (x->kind == ZO_COPY) x->bytes[i] = x->src[i];
+        else seen ^= x->bytes[i];
     }
+    return seen;
 }
 
-/* The same with the moments as the narrow loops store them: 2 bytes each in bf16, 1 in int8, and an int8
- * block's two scales read and written once (20 and about 16 bytes a parameter with 16-bit gradients in and
- * weights out). Each narrow precision is measured against its own floor: the bytes it has to move. */
-static void floor_bf16_state(const zo_adam_args *a, int64_t begin, int64_t end) {
-    const uint16_t *restrict g = (const uint16_t *)a->grad;
-    uint16_t *restrict out = (uint16_t *)a->out;
-    uint16_t *restrict m = (uint16_t *)a->exp_avg_packed, *restrict v = (uint16_t *)a->exp_avg_sq_packed;
-    float *restrict w = a->param;
-    for (int64_t i = begin; i < end; i++) {
-        w[i] += (float)g[i];
-        m[i] += g[i];
-        v[i] += g[i];
-        out[i] = g[i];
-    }
-}
+/* Tells the compiler that `seen` is used, so that the reads it folds are not left out (no store, no race). */
+static inline void keep(uint8_t seen) { __asm__ volatile("" : : "r"(seen)); }
 
-static void floor_int8_state(const zo_adam_args *a, int64_t begin, int64_t end) {
-    const uint16_t *restrict g = (const uint16_t *)a->grad;
-    uint16_t *restrict out = (uint16_t *)a->out;
-    uint8_t *restrict m = (uint8_t *)a->exp_avg_packed, *restrict v = (uint8_t *)a->exp_avg_sq_packed;
-    float *restrict w = a->param;
-    for (int64_t i = begin; i < end; i++) {
-        w[i] += (float)g[i];
-        m[i] += (uint8_t)g[i];
-        v[i] += (uint8_t)g[i];
-        out[i] = g[i];
-    }
+static void floor_scales(const zo_adam_args *a, int64_t begin, int64_t end) {
+    if (a->state_dtype != ZO_STATE_INT8) return;
     for (int64_t b = begin / ZO_STATE_BLOCK; b * ZO_STATE_BLOCK < end; b++) { /* chunks start on a block */
         a->exp_avg_scale[b] += 1.0f;
         a->exp_avg_sq_scale[b] += 1.0f;
     }
 }
 
-int zo_memory_floor(const zo_adam_args *a, int threads) {
+static void floor_scalar(const zo_adam_args *a, int64_t begin, int64_t end) {
+    zo_floor_array arrays[4];
+    int count = floor_arrays(a, arrays);
+    uint8_t seen = 0;
+    for (int64_t i = begin; i < end; i += 64) { /* 64 elements of every array, then the next 64 */
+        int64_t stop = i + 64 < end ? i + 64 : end;
+        for (int j = 0; j < count; j++)
+            seen ^= floor_bytes_scalar(&arrays[j], i * arrays[j].size, stop * arrays[j].size);
+    }
+    keep(seen);
+    floor_scales(a, begin, end);
+}
+
+#if defined(__x86_64__) || defined(_M_X64)
+ZO_AVX2 static void floor_avx2(const zo_adam_args *a, int64_t begin, int64_t end, int nontemporal) {
+    zo_floor_array arrays[4];
+    int count = floor_arrays(a, arrays);
+    const __m256i one = _mm256_set1_epi8(1);
+    __m256i seen = _mm256_setzero_si256();
+    int stream[4];
+    for (int j = 0; j < count; j++) /* a streaming store needs 32-byte alignment: else a plain one */
+        stream[j] = nontemporal && arrays[j].kind == ZO_COPY && ((uintptr_t)(arrays[j].bytes + begin * arrays[j].size) % 32 == 0);
+    int64_t i = begin;
+    for (; i + 64 <= end; i += 64) { /* 64 elements: 64 to 256 bytes of each array, a multiple of 32 */
+        for (int j = 0; j < count; j++) {
+            const zo_floor_array *x = &arrays[j];
+            for (int64_t k = i * x->size; k < (i + 64) * x->size; k += 32) {
+                __m256i *at = (__m256i *)(x->bytes + k);
+                __m256i value = x->kind == ZO_COPY ? _mm256_loadu_si256((const __m256i *)(x->src + k))
+                                                   : _mm256_loadu_si256(at);
+                if (x->kind == ZO_READ) {
+                    seen = _mm256_xor_si256(seen, value);
+                    continue;
+                }
+                if (x->kind == ZO_IN_PLACE) value = _mm256_add_epi8(value, one);
+                if (stream[j]) _mm256_stream_si256(at, value);
+                else _mm256_storeu_si256(at, value);
+            }
+        }
+    }
+    if (nontemporal) _mm_sfence(); /* streaming stores are weakly ordered: done before the threads join */
+    uint8_t lanes[32], folded = 0;
+    _mm256_storeu_si256((__m256i *)lanes, seen);
+    for (int j = 0; j < 32; j++) folded ^= lanes[j];
+    for (int j = 0; j < count; j++)
+        folded ^= floor_bytes_scalar(&arrays[j], i * arrays[j].size, end * arrays[j].size);
+    keep(folded);
+    floor_scales(a, begin, end);
+}
+
+static void floor_plain(const zo_adam_args *a, int64_t begin, int64_t end) { floor_avx2(a, begin, end, 0); }
+static void floor_streaming(const zo_adam_args *a, int64_t begin, int64_t end) { floor_avx2(a, begin, end, 1); }
+#else
+static void floor_plain(const zo_adam_args *a, int64_t begin, int64_t end) { floor_scalar(a, begin, end); }
+static void floor_streaming(const zo_adam_args *a, int64_t begin, int64_t end) { floor_scalar(a, begin, end); }
+#endif
+
+int zo_memory_floor(const zo_adam_args *a, int threads, int nontemporal) {
     int narrow = a->grad_dtype != ZO_F32;
     if (narrow != (a->out != NULL) || (a->out != NULL && a->out_dtype == ZO_F32)) return -1;
-    if (a->state_dtype == ZO_STATE_F32) {
-        run_threads(a, narrow ? floor_16 : floor_f32, NULL, threads);
-        return 0;
-    }
     /* Narrow moments: defined for the offload update's 16-bit gradients in and weights out only. */
-    if (!narrow || a->state_dtype > ZO_STATE_INT8) return -1;
-    run_threads(a, a->state_dtype == ZO_STATE_BF16 ? floor_bf16_state : floor_int8_state, NULL, threads);
+    if (a->state_dtype < ZO_STATE_F32 || a->state_dtype > ZO_STATE_INT8) return -1;
+    if (a->state_dtype != ZO_STATE_F32 && !narrow) return -1;
+    if (nontemporal && !cpu_has_avx2()) return -2; /* streaming stores: only the AVX2 loop has them */
+    run_threads(a, !cpu_has_avx2() ? floor_scalar : nontemporal ? floor_streaming : floor_plain, NULL, threads);
     return 0;
 }

@@ -24,6 +24,7 @@ from ...tuning.build import CPUAdamUnavailable
 from ...tuning.cpu_adam import CPUAdam, dispatched_variant, supported_variants
 from ...tuning.cpuinfo import cpu_caches, cpu_model
 from ...tuning.perfmodel import Workload, cached_share, calibrate, plan
+from ...tuning.state_precision import PRECISIONS
 from ...tuning.variant_choice import cached_choices, choice_key, fastest_variant
 
 # (width, depth): `depth` Linear layers of `width`, each one unit and one C call of the CPU step.
@@ -37,14 +38,18 @@ def machine() -> dict:
     fastest = {}
     try:
         variant = dispatched_variant()
-        # What "variant": "fastest" (the engine's default) runs here, at 1 and 2 threads, with the timings it
-        # chose from (tuning/variant_choice.py; measured once per machine, then read from the cache).
-        for threads in (1, 2):
-            chosen = fastest_variant(threads, supported_variants())
-            fastest[threads] = {
-                "variant": chosen,
-                "ms": cached_choices().get(choice_key(threads), {}).get("ms"),
-            }
+        # What "variant": "fastest" (the engine's default) runs here, at 1 and 2 threads and for each precision
+        # of the moments, with the timings it chose from (tuning/variant_choice.py; measured once per machine,
+        # then read from the cache).
+        for precision in PRECISIONS:
+            for threads in (1, 2):
+                chosen = fastest_variant(threads, supported_variants(), precision)
+                fastest[f"{precision}, {threads}"] = {
+                    "precision": precision,
+                    "threads": threads,
+                    "variant": chosen,
+                    "ms": cached_choices().get(choice_key(threads, precision), {}).get("ms"),
+                }
     except CPUAdamUnavailable:
         variant = None
     return {
@@ -61,9 +66,12 @@ def _print_machine(about: dict) -> None:
         f"CPU: {about['cpu']}; C Adam variant: {about['kernel_variant'] or 'none (no C compiler)'} (the widest); "
         f"caches: {about['caches_text']}"
     )
-    for threads, entry in about.get("fastest_variant", {}).items():
+    for entry in about.get("fastest_variant", {}).values():
         timings = ", ".join(f"{v} {ms:.2f} ms" for v, ms in (entry["ms"] or {}).items())
-        print(f"  fastest at {threads} thread(s), the engine's default: {entry['variant']} ({timings})")
+        print(
+            f"  fastest with {entry['precision']} moments at {entry['threads']} thread(s), the engine's default: "
+            f"{entry['variant']} ({timings})"
+        )
 
 
 def _print_waited(result: dict) -> None:

@@ -41,5 +41,6 @@ int zo_cpu_variants(void);                                      /* bit v set: va
 /* 0; -1 variant unsupported; -2 a lab stub ran; -3 unknown state_dtype */
 int zo_adam_update(const zo_adam_args *args, int variant, int threads);
 const char *zo_missing_lab(void);                               /* NULL, or the lab task a stub left out */
-int zo_memory_floor(const zo_adam_args *args, int threads);      /* 0; -1 unsupported dtypes or states (see .c) */
+/* 0; -1 unsupported dtypes or states (see .c); -2 nontemporal asked for where the CPU lacks AVX2 */
+int zo_memory_floor(const zo_adam_args *args, int threads, int nontemporal);
 #endif
