@@ -73,8 +73,14 @@ def test_the_floor_is_the_faster_of_plain_and_streaming_stores():
     assert bench_adam.floor_stores({}, "f") == (None, None)  # no C Adam: no floor
 
 
-def test_the_kernel_sections_run_small_and_say_which_floor_they_used(capsys):
+def test_the_kernel_sections_run_small_and_say_which_floor_they_used(capsys, monkeypatch, tmp_path):
     pytest.importorskip("cffi")
+    from zero_offload.tuning import variant_choice
+
+    # the engine's choice, measured on a small sample into a fresh cache: each row names the variant it ran
+    bench_adam._c_variants()  # builds (or loads) the kernel from the usual cache first
+    monkeypatch.setenv("ZO_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(variant_choice, "sample_size", lambda: 1 << 14)
     states = bench_adam.moment_precisions(numel=3 * 2**16 + 5, rounds=1, threads=2)
     update = bench_adam.offload_update(numel=3 * 2**16 + 5, rounds=1, threads=2)
     if not states["rows"]:
@@ -82,8 +88,12 @@ def test_the_kernel_sections_run_small_and_say_which_floor_they_used(capsys):
     assert {(r["precision"], r["threads"]) for r in states["rows"]} == {
         (p, t) for p in ("fp32", "bf16", "int8") for t in (1, 2)
     }
+    chosen = variant_choice.cached_choices(tmp_path)
     for row in states["rows"]:
         assert row["floor_ms"] > 0 and row["floor_stores"] in ("plain", "streaming")
+        assert (
+            row["variant"] == chosen[variant_choice.choice_key(row["threads"], row["precision"])]["variant"]
+        )
     assert update["floor_ms"] > 0 and update["floor_stores"] in ("plain", "streaming")
     bench_adam.print_moment_precisions(states)
     bench_adam.print_offload_update(update)

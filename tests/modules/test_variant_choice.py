@@ -127,15 +127,16 @@ def test_two_processes_starting_together_measure_once_and_agree(tmp_path):
     assert log.read_text() == "measured\n"
 
 
-def test_the_key_names_the_cpu_the_kernel_build_and_the_threads(monkeypatch):
+def test_the_key_names_the_cpu_the_kernel_build_the_threads_and_the_sample(monkeypatch):
     monkeypatch.undo()  # the real key
     pytest.importorskip("cffi")
     try:
         key, narrow = choice_key(2), choice_key(2, "int8")
     except Exception as err:  # no compiler: the kernel has no build to name
         pytest.skip(f"the C Adam cannot be built here: {err}")
-    assert "zo_cpu_adam_" in key and key.endswith("2 thread(s) | fp32 moments")
-    assert narrow.endswith("2 thread(s) | int8 moments")
+    sample = f"sample {variant_choice.sample_size():,}"
+    assert "zo_cpu_adam_" in key and key.endswith(f"2 thread(s) | fp32 moments | {sample}")
+    assert narrow.endswith(f"2 thread(s) | int8 moments | {sample}")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
@@ -148,6 +149,13 @@ def test_the_real_measurement_runs_every_variant_on_that_precision(monkeypatch, 
         variants = supported_variants()
     except Exception as err:
         pytest.skip(f"the C Adam cannot be built here: {err}")
-    monkeypatch.setattr(variant_choice, "SAMPLE", 1 << 14)
+    monkeypatch.setattr(variant_choice, "sample_size", lambda: 1 << 14)
     timings = variant_choice.time_variants(variants, 1, precision)
     assert set(timings) == set(variants) and all(ms > 0 for ms in timings.values())
+
+
+def test_the_sample_fills_twice_the_last_level_cache_within_bounds():
+    assert variant_choice.sample_size(0) == variant_choice.SAMPLE  # no cache reported: the smallest
+    assert variant_choice.sample_size(32 * 2**20) == variant_choice.SAMPLE  # 4M x 16 B = 64 MiB = 2 x 32 MiB
+    assert variant_choice.sample_size(64 * 2**20) == 8 * 2**20
+    assert variant_choice.sample_size(300 * 2**20) == variant_choice.LARGEST_SAMPLE

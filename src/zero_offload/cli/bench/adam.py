@@ -18,9 +18,10 @@ import torch
 
 from ...basics.adam import Adam
 from ...tuning.build import CPUAdamUnavailable
-from ...tuning.cpu_adam import CPUAdam, cpu_adam_update, dispatched_variant, memory_floor, supported_variants
+from ...tuning.cpu_adam import CPUAdam, cpu_adam_update, memory_floor, supported_variants
 from ...tuning.cpuinfo import cpu_model
 from ...tuning.state_precision import BLOCK, PRECISIONS, zeros_state
+from ...tuning.variant_choice import fastest_variant
 from .timing import interleaved_ms
 
 BYTES_PER_PARAM = 28  # one Adam pass: w, m, v read and written (24) + the fp32 gradient read (4)
@@ -145,15 +146,19 @@ def moment_precisions(numel: int = 16_700_000, rounds: int = 7, threads: int = 2
     torch.set_num_threads(threads)
     grad = torch.randn(numel, generator=torch.Generator().manual_seed(0)).half()
     counts = sorted({1, threads})
-    steps, floors = {}, {}
+    steps, floors, variants = {}, {}, {}
     for precision in PRECISIONS if _c_variants() else ():
         out = torch.empty(numel, dtype=torch.float16)
         param, state, counter = torch.zeros(numel), zeros_state(numel, precision), itertools.count(1)
         scratch, scratch_state = torch.zeros(numel), zeros_state(numel, precision)
         for count in counts:
-            steps[(precision, count)] = lambda p=param, s=state, o=out, t=count, c=counter: cpu_adam_update(
-                p, grad, s["exp_avg"], s["exp_avg_sq"], exp_avg_scale=s.get("exp_avg_scale"),
-                exp_avg_sq_scale=s.get("exp_avg_sq_scale"), step=next(c), lr=1e-3, out=o, threads=t,
+            variants[(precision, count)] = variant = fastest_variant(count, supported_variants(), precision)
+            steps[(precision, count)] = lambda p=param, s=state, o=out, t=count, c=counter, k=variant: (
+                cpu_adam_update(
+                    p, grad, s["exp_avg"], s["exp_avg_sq"], exp_avg_scale=s.get("exp_avg_scale"),
+                    exp_avg_sq_scale=s.get("exp_avg_sq_scale"), step=next(c), lr=1e-3, out=o, threads=t,
+                    variant=k,
+                )
             )  # fmt: skip
             for streaming in (False, True) if _streaming_stores() else (False,):
                 name = f"{precision} x{count} floor" + (", streaming output" if streaming else "")
@@ -167,29 +172,30 @@ def moment_precisions(numel: int = 16_700_000, rounds: int = 7, threads: int = 2
     rows = []
     for p, t in steps:
         floor, stores = floor_stores(ms, f"{p} x{t} floor")
-        rows.append({"precision": p, "threads": t, "pass_bytes": pass_bytes(p), "ms": ms[f"{p} x{t}"],
-                     "floor_ms": floor, "floor_stores": stores, "fp32_ms": ms[f"fp32 x{t}"]})  # fmt: skip
-    return {"numel": numel, "cpu": cpu_model(), "variant": dispatched_variant() if steps else None, "rows": rows,
-            "state_bytes": STATE_BYTES}  # fmt: skip
+        rows.append({"precision": p, "threads": t, "variant": variants[(p, t)], "pass_bytes": pass_bytes(p),
+                     "ms": ms[f"{p} x{t}"], "floor_ms": floor, "floor_stores": stores,
+                     "fp32_ms": ms[f"fp32 x{t}"]})  # fmt: skip
+    return {"numel": numel, "cpu": cpu_model(), "rows": rows, "state_bytes": STATE_BYTES}
 
 
 def print_moment_precisions(result: dict) -> None:
     numel = result["numel"]
     print(
         f"\nOffloaded update over {numel:,} fp32 weights (fp16 gradients in, fp16 weights out), the moments "
-        f"stored in fp32, bf16 or int8\nCPU: {result['cpu']}; kernel variant: {result['variant']}"
+        f"stored in fp32, bf16 or int8\nCPU: {result['cpu']}; each row by the variant the engine's default "
+        '("fastest") chose for that precision and thread count'
     )
     if not result["rows"]:
         print("skipped: the C Adam cannot be built here")
         return
     print(
-        f"{'moments, threads':<18}{'B/param':>8}{'ms':>8}{'GB/s':>7}{'floor ms':>10}{'stores':>11}"
+        f"{'moments, threads':<18}{'variant':>8}{'B/param':>8}{'ms':>8}{'GB/s':>7}{'floor ms':>10}{'stores':>11}"
         f"{'of floor':>10}{'vs fp32':>9}"
     )
     for row in result["rows"]:
         gbps = row["pass_bytes"] * numel / row["ms"] / 1e6
         print(
-            f"{row['precision'] + ' x' + str(row['threads']):<18}{row['pass_bytes']:>8.2f}{row['ms']:>8.1f}"
+            f"{row['precision'] + ' x' + str(row['threads']):<18}{row['variant']:>8}{row['pass_bytes']:>8.2f}{row['ms']:>8.1f}"
             f"{gbps:>7.1f}{row['floor_ms']:>10.1f}{row['floor_stores']:>11}{row['floor_ms'] / row['ms']:>10.0%}"
             f"{row['fp32_ms'] / row['ms']:>8.2f}x"
         )
@@ -236,9 +242,11 @@ def print_offload_update(update: dict) -> None:
     if update["floor_ms"]:
         ours = update["median_ms"]["ours, one pass"]
         stores = (
-            "streaming stores for the fp16 output" if update.get("floor_stores") == "streaming" else "plain"
+            "the fp16 output by streaming stores"
+            if update.get("floor_stores") == "streaming"
+            else "plain stores"
         )
         print(
-            f"{'memory floor (28 bytes a parameter)':<44}{update['floor_ms']:>8.1f} ms   ({stores} stores) one pass at "
+            f"{'memory floor (28 bytes a parameter)':<44}{update['floor_ms']:>8.1f} ms   ({stores}) one pass at "
             f"{update['floor_ms'] / ours:.0%} of it; {baseline / ours:.2f}x the torch pipeline (target >= 2.0x)"
         )
