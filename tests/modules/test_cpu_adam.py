@@ -121,11 +121,14 @@ def test_fp16_rounding_edges(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_bf16_rounding_edges(variant):
-    # Ties to even both ways, the carry into the exponent, the largest finite bf16 and past it, inf, nan.
+    # Ties to even both ways, the carry into the exponent, the largest finite bf16 and past it, inf, nans.
     tie_down, tie_up = 1 + 2**-8, 1 + 3 * 2**-8
     values = torch.tensor(
         [tie_down, tie_up, 2 - 2**-9, 3.3895314e38, 3.4e38, float("inf"), -float("inf"), float("nan"), -0.0]
-    ).repeat(3)
+    )
+    # NaNs whose payload sits in the low 16 bits: rounded like numbers they would carry into inf or wrap to 0.
+    payloads = torch.tensor([0x7FFFFFFF, -1, 0x7FC0FFFF], dtype=torch.int32).view(torch.float32)
+    values = torch.cat([values, payloads]).repeat(3)
     out = torch.empty_like(values, dtype=torch.bfloat16)
     cpu_adam_update(values.clone(), torch.zeros_like(values), torch.zeros_like(values), torch.zeros_like(values),
                 step=1, lr=0.0, out=out, variant=variant)  # fmt: skip
