@@ -67,7 +67,9 @@ def test_the_committed_figures_are_the_ones_drawn(figures):
     for name in NAMES:
         committed = REPO / "course" / "figures" / name
         assert committed.is_file(), f"{name} is drawn but not committed: run python -m tools.draw_figures"
-        assert committed.read_bytes() == (figures[0] / name).read_bytes(), f"{name} differs from what is drawn"
+        assert committed.read_bytes() == (figures[0] / name).read_bytes(), (
+            f"{name} differs from what is drawn"
+        )
 
 
 def test_a_second_run_writes_the_same_bytes(figures):

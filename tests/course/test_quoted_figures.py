@@ -119,7 +119,9 @@ def test_the_course_marks_its_measured_figures():
 def test_every_source_is_visible(chapter):
     """A source in an HTML comment is seen by no reader: it goes on a <sub>来源：…</sub> line below the block."""
     text = chapter.read_text(encoding="utf-8")
-    assert "<!-- source" not in text, f"{chapter.name}: a hidden source comment; show it as <sub>来源：…</sub>"
+    assert "<!-- source" not in text, (
+        f"{chapter.name}: a hidden source comment; show it as <sub>来源：…</sub>"
+    )
     for number, line in enumerate(text.splitlines(), 1):
         if line.lstrip().startswith("<sub>来源"):
             assert MARKER.match(line), f"{chapter.name}:{number}: a source line this test cannot read: {line}"
