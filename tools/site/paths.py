@@ -20,10 +20,19 @@ MAX_SOURCE_BYTES = 400_000
 
 
 def chapter_files() -> list[Path]:
-    """course/*.md in chapter order (00-, 01-, ..., 03-, 03a-, ...), the glossary last."""
-    files = sorted(p for p in (ROOT / "course").glob("*.md") if re.match(r"\d", p.name))
+    """course/*.md in chapter order (00-, 01-, ..., 03-, 03a-, ...), each module's appendix
+    (``04-tuning-appendix.md``) after its chapters, the glossary last."""
+    files = sorted(
+        (p for p in (ROOT / "course").glob("*.md") if re.match(r"\d", p.name)),
+        key=lambda p: (module_of(p.name), is_appendix(p.name), p.name),
+    )
     glossary = ROOT / "course" / "glossary.md"
     return files + ([glossary] if glossary.exists() else [])
+
+
+def is_appendix(name: str) -> bool:
+    """A chapter's appendix (``04-tuning-appendix.md``): the measurement detours its main line links to."""
+    return name.endswith("-appendix.md")
 
 
 def module_of(name: str) -> int | None:
