@@ -13,7 +13,7 @@ reader sees (on GitHub and on the site) that links to its sources:
 Every decimal number in that block (the lines above the source line, up to the blank line before them) must appear
 in one of the sources that are repository files: in a notebook's stored outputs, or in a results file, as printed or
 rounded to the digits the text gives; so must every whole number of milliseconds ("423 ms"). Other integers,
-versions (2.13.0) and section numbers (5.1.6) are not checked. A note in full-width parentheses says where in the
+versions (2.13.0) and section numbers (5.1.6, "4.11 节") are not checked. A note in full-width parentheses says where in the
 source to look. A number the text works out itself (a ratio of two quoted figures, a formula's value) is listed
 after the sources, and must then appear in the block:
 
@@ -37,8 +37,9 @@ REPO = Path(__file__).resolve().parents[2]
 COURSE = REPO / "course"
 MARKER = re.compile(r"^\s*<sub>来源：(.+?)</sub>\s*$")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-# A decimal not part of a version or section number (1.2.3), a word (v1.2) or a heading mark (§5.1).
-DECIMAL = re.compile(r"(?<![\w.§])(\d+\.\d+)(?![\d.]*\.\d)(?!\d)")
+# A decimal not part of a version or section number (1.2.3), a word (v1.2), a heading mark (§5.1) or a
+# reference to a section ("4.11 节", "4.10、4.11 节").
+DECIMAL = re.compile(r"(?<![\w.§])(\d+\.\d+)(?![\d.]*\.\d)(?!\d)(?!(?:\s?[、和]\s?\d+\.\d+)*\s?节)")
 
 
 def chapters() -> list[Path]:

@@ -25,6 +25,8 @@ SECTIONED_NAMES: set[str] = {
     "00-overview.md",
     "01-basics.md",
     "02-principles.md",
+    "04-tuning.md",
+    "04-tuning-appendix.md",
     "04a-simd-primer.md",
 }
 SECTIONED = sorted(p for p in COURSE.glob("0*.md") if p.name in SECTIONED_NAMES)

@@ -125,7 +125,7 @@ def test_every_chapter_lesson_and_lab_has_a_page(site):
 
 def test_the_answers_render_as_markdown_and_the_questions_keep_their_numbers(site):
     """Every <details> answer renders its Markdown (no raw backticks, no empty code block), also where it sits
-    under a question's list item, and the question after it keeps its number."""
+    under a question's list item, and the question after it keeps its number (within its section's quiz)."""
     site_dir, _ = site
     for page in sorted((site_dir / "chapters").glob("0*.html")):
         text = page.read_text(encoding="utf-8")
