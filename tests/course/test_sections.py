@@ -25,6 +25,8 @@ SECTIONED_NAMES: set[str] = {
     "00-overview.md",
     "01-basics.md",
     "02-principles.md",
+    "03-implementation.md",
+    "03-implementation-appendix.md",
     "04-tuning.md",
     "04-tuning-appendix.md",
     "04a-simd-primer.md",
