@@ -33,7 +33,9 @@ def readme_course_map(readme: str) -> str:
     if not m:
         m = re.search(r"^##\s+[^\n]*(?:map|课程)[^\n]*$(.*?)(?=^##\s|\Z)", readme, re.M | re.S | re.I)
     if not m:
-        raise SystemExit("README.md has no 'Course map' section to put on the home page")
+        raise SystemExit(
+            "README.md has no 'Course map' section: its first column names the modules in the navigation"
+        )
     return m.group(1).strip()
 
 
@@ -144,7 +146,10 @@ def time_estimate(text: str) -> str | None:
             for more in lines[i + 1 :]:
                 if not more.strip():
                     break
-                glue = " " if re.search(r"[\w.,;:)]$", found[-1]) and re.match(r"[\w(]", more.strip()) else ""
+                ascii_edge = re.search(r"[A-Za-z0-9.,;:)]$", found[-1]) and re.match(
+                    r"[A-Za-z0-9(`]", more.strip()
+                )
+                glue = " " if ascii_edge else ""  # a line break between Chinese characters is no space
                 found[-1] += glue + more.strip()
             return found[0]
     return None
