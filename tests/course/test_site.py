@@ -116,6 +116,9 @@ def test_a_time_estimate_is_read_with_its_continuation_lines():
     text = "# x\n\n**预计用时**：阅读约 1.5 小时；笔记本\n边读边改约 1 小时；read the\nlab.\n\n正文\n"
     assert time_estimate(text) == "阅读约 1.5 小时；笔记本边读边改约 1 小时；read the lab."
     assert time_estimate("# x\n\n正文\n") is None
+    text = "**预计用时**：3～4 小时（一边读，一边 `grep`。）。本章的链接形如 [stage3.py#L1905][]。\n"
+    assert time_estimate(text) == "3～4 小时（一边读，一边 `grep`。）。"
+    assert time_estimate("**预计用时**：见 [a.py#L1][] 和 [b][x]\n") == "见 a.py#L1 和 b"
 
 
 def test_appendices_sit_at_the_end_of_their_module_under_their_title(tmp_path):

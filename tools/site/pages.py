@@ -151,8 +151,20 @@ def time_estimate(text: str) -> str | None:
                 )
                 glue = " " if ascii_edge else ""  # a line break between Chinese characters is no space
                 found[-1] += glue + more.strip()
-            return found[0]
+            return _first_sentence(re.sub(r"\[([^\]]+)\]\[[^\]]*\]", r"\1", found[0]))
     return None
+
+
+def _first_sentence(text: str) -> str:
+    """Up to the first 。 outside brackets: the estimate, without the prose a chapter may continue it with (a
+    reference-style link, whose definition is the chapter's, was made plain text above)."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += ch in "（("
+        depth -= ch in "）)"
+        if ch == "。" and depth <= 0:
+            return text[: i + 1]
+    return text
 
 
 def _module_route(num: int, items: list[tuple[str, Staged]], docs: Path, broken: list[dict]) -> str:
