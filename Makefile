@@ -62,7 +62,8 @@ serve-site:
 	@test -f out/site/index.html || $(MAKE) site
 	$(PYTHON) -m http.server --bind 127.0.0.1 --directory out/site $(SITE_PORT)
 
-# Opens the built site in Chromium (Debian's, through Playwright): math, images, CJK glyphs, Chinese search.
+# Opens the built site in Chromium (Debian's, through Playwright): math, images, CJK glyphs, Chinese search,
+# answering a choice and a number quiz question (wrong, then right).
 # Screenshots and report.json in out/site-check/.
 site-check: site
 	$(PY) -m tools.check_site

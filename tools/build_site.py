@@ -13,11 +13,13 @@ MathJax or KaTeX, no CDN. The CDN references mkdocs-jupyter emits by itself (its
 mermaid loader, both unused here) are removed after each page is rendered.
 
 How: this script stages the sources under ``out/site-src/docs/`` (the sources themselves are never edited), writes
-the navigation (module -> chapter -> lesson -> lab), generates the home page (with the README's course map) and
-the API page, then runs ``mkdocs build --strict`` through mkdocs' Python API. The same file is the mkdocs hook
-module (``hooks:`` in ``mkdocs.yml``): it adds the math extension, adds source pages under ``source/`` (the
-repository's files, highlighted, so that every page's "source" link and every backticked path in the chapters
-works offline), puts a source link on every page, and strips CDN script tags. The work itself is done by the
+the navigation (module -> chapter -> lesson -> lab -> appendix), generates the home page (in Chinese, from
+``tools/site/home.zh.md`` and the chapters' time estimates), the README's page and the API page, turns the
+chapters' checkable quiz questions into questions answered in the page (``tools/site/quiz.py``), then runs
+``mkdocs build --strict`` through mkdocs' Python API. The same file is the mkdocs hook module (``hooks:`` in
+``mkdocs.yml``): it adds the math extension, adds source pages under ``source/`` (the repository's files,
+highlighted, so that every page's "source" link and every backticked path in the chapters works offline), puts a
+source link on every page, and strips CDN script tags. The work itself is done by the
 package ``tools/site/`` (one module per concern, listed in its ``__init__.py``); this file is its entry point.
 
     python -m tools.build_site [--site-dir out/site] [--staging out/site-src]    (from the repository root)

@@ -8,7 +8,10 @@ Serves ``out/site/`` on 127.0.0.1, opens it in Debian's Chromium through Playwri
 - a chapter with math and a figure: every ``<math>`` element has a non-zero size and fractions are laid out
   (numerator above denominator), every image has ``naturalWidth > 0``;
 - a lesson with plots: every stored plot loads;
-- search: typing a Chinese term in the search box lists its chapter.
+- search: typing a Chinese term in the search box lists its chapter;
+- quizzes: on the first pages with a choice and a number question, a wrong answer says so (不对) and leaves the
+  explanation closed, the right one says so (正确) and opens it; the page's number rule agrees with
+  ``Question.accepts`` on a few inputs. With no quiz on any page this check fails and says so.
 
 Screenshots and a JSON report go to ``out/site-check/``. Exit status 1 if a check fails, 2 if something needed
 is missing (the message says what and how to install it).
@@ -27,6 +30,7 @@ from urllib.parse import urlsplit
 
 # The package is tools.site: a bare "site" would be Python's own module.
 from tools.site.browser import Missing, check_cjk_font, find_chromium, keep_requests_local, serve
+from tools.site.sections import Question
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,6 +60,17 @@ def pick_lesson(site: Path) -> str:
         .relative_to(site)
         .as_posix()
     )
+
+
+def pick_quizzes(site: Path) -> dict[str, str]:
+    """The first chapter page with a choice question, and the first with a number question: kind -> path."""
+    found: dict[str, str] = {}
+    for page in sorted((site / "chapters").glob("*.html")):
+        for kind in re.findall(
+            r'<div class="zo-quiz"[^>]*data-quiz="(\w+)"', page.read_text(encoding="utf-8")
+        ):
+            found.setdefault(kind, page.relative_to(site).as_posix())
+    return found
 
 
 # JavaScript run in the page -----------------------------------------------------------------------------------
@@ -108,6 +123,10 @@ class Checks:
         page.screenshot(path=str(self.out / name))
         self.results["screenshots"][name] = what
 
+    def screenshot_of(self, element, name: str, what: str) -> None:
+        element.screenshot(path=str(self.out / name))
+        self.results["screenshots"][name] = what
+
 
 def check_home(page, base: str, checks: Checks) -> None:
     """Chinese glyphs: two CJK characters draw differently, and neither like a character no font has (tofu)."""
@@ -122,7 +141,7 @@ def check_home(page, base: str, checks: Checks) -> None:
         and b["hash"] != missing["hash"],
         {"font-family": glyphs["font"], "梯": a, "载": b, "U+F0000 (no glyph)": missing},
     )
-    checks.screenshot(page, "home.png", "home page: the course map table, Chinese text, navigation")
+    checks.screenshot(page, "home.png", "home page: the course's front door in Chinese, navigation")
 
 
 def check_chapter(page, base: str, site: Path, checks: Checks) -> None:
@@ -205,6 +224,106 @@ def check_search(page, base: str, site: Path, term: str, checks: Checks) -> None
     checks.screenshot(page, "search.png", f"search for {term}: the result list")
 
 
+JS_QUIZ_STATE = """(quiz) => ({
+  result: quiz.querySelector('.zo-quiz-result').textContent,
+  open: !!(quiz.querySelector('details') || {}).open,
+  state: quiz.getAttribute('data-state'),
+})"""
+
+
+def _question(quiz) -> Question:
+    """The Question a quiz block in the page stands for (from its data attributes)."""
+    kind, answer = quiz.get_attribute("data-quiz"), quiz.get_attribute("data-answer")
+    if kind == "choice":
+        letters = quiz.locator("input[type=radio]").evaluate_all("rs => rs.map(r => r.value)")
+        return Question(0, "", kind, answer, options=tuple((x, x) for x in letters))
+    return Question(
+        0,
+        "",
+        kind,
+        answer,
+        tolerance=float(quiz.get_attribute("data-tolerance")),
+        relative=quiz.get_attribute("data-relative") == "1",
+    )
+
+
+def _answer(quiz, q: Question, given: str) -> dict:
+    if q.kind == "choice":
+        quiz.locator(f"input[type=radio][value='{given}']").check()
+    else:
+        quiz.locator(".zo-quiz-number").fill(given)
+    quiz.locator(".zo-quiz-check").click()
+    return quiz.evaluate(JS_QUIZ_STATE)
+
+
+def check_quizzes(page, base: str, site: Path, checks: Checks) -> None:
+    """A choice and a number question: a wrong answer first (says 不对, the explanation stays closed), then the
+    right one (says 正确, the explanation opens); screenshots of each."""
+    found = pick_quizzes(site)
+    if not found:
+        checks.check(
+            "a page has a quiz",
+            False,
+            "no chapter page has a quiz block: no question in a ### 小测 carries a <!-- quiz: choice X --> or "
+            "<!-- quiz: number V ±T --> mark (tools/site/sections.py), or the staging did not turn it into one",
+        )
+        return
+    for kind in ("choice", "number"):
+        if kind not in found:
+            checks.check(f"a {kind} quiz question", False, f"no chapter page has a {kind} question")
+            continue
+        page.goto(base + found[kind], wait_until="networkidle")
+        quiz = page.locator(f".zo-quiz[data-quiz={kind}]").first
+        quiz.scroll_into_view_if_needed()
+        q = _question(quiz)
+        if kind == "choice":
+            wrong = next(letter for letter, _ in q.options if letter != q.answer)
+            right = q.answer
+        else:
+            target = float(q.answer)
+            allowed = q.tolerance * abs(target) if q.relative else q.tolerance
+            wrong, right = f"{target + 2 * allowed + 1:g}", q.answer
+        before = quiz.evaluate(JS_QUIZ_STATE)
+        said_wrong = _answer(quiz, q, wrong)
+        checks.screenshot_of(
+            quiz, f"quiz-{kind}-wrong.png", f"{found[kind]}: a wrong answer ({wrong}) to a {kind} question"
+        )
+        said_right = _answer(quiz, q, right)
+        checks.screenshot_of(
+            quiz, f"quiz-{kind}-right.png", f"{found[kind]}: the right answer ({right}), explanation open"
+        )
+        checks.check(
+            f"a {kind} question says wrong, then right and opens its explanation",
+            not before["open"]
+            and "不对" in said_wrong["result"]
+            and not said_wrong["open"]
+            and "正确" in said_right["result"]
+            and said_right["open"],
+            {
+                "page": found[kind],
+                "answer": q.answer,
+                "wrong": [wrong, said_wrong],
+                "right": [right, said_right],
+            },
+        )
+        if kind == "number":
+            tries = [right, wrong, f"{target + allowed:g}", f"{target - allowed * 1.01 - 1e-9:.12g}", "x", ""]
+            data = {
+                "quiz": kind,
+                "answer": q.answer,
+                "tolerance": repr(q.tolerance),
+                "relative": "1" if q.relative else "0",
+            }
+            page_says = page.evaluate(
+                "([d, vs]) => vs.map(v => window.zoQuizAccepts(d, v) === true)", [data, tries]
+            )
+            checks.check(
+                "the page checks numbers as Question.accepts does",
+                page_says == [q.accepts(v) for v in tries],
+                {"inputs": tries, "page": page_says, "Question.accepts": [q.accepts(v) for v in tries]},
+            )
+
+
 def run(site: Path, out: Path, term: str) -> dict:
     from playwright.sync_api import sync_playwright
 
@@ -229,6 +348,7 @@ def run(site: Path, out: Path, term: str) -> dict:
             check_chapter(page, base, site, checks)
             check_lesson(page, base, site, checks)
             check_search(page, base, site, term, checks)
+            check_quizzes(page, base, site, checks)
             checks.check("no request left the machine", not external, external[:10])
             checks.check("no script errors", not errors, errors[:5])
             browser.close()

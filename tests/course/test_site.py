@@ -24,7 +24,9 @@ pytest.importorskip("latex2mathml")
 
 from tools import build_site  # noqa: E402
 from tools.site.mathml import MATH_RE, math_html  # noqa: E402
-from tools.site.paths import as_url  # noqa: E402
+from tools.site.pages import first_heading, navigation, time_estimate  # noqa: E402
+from tools.site.paths import as_url, chapter_files, is_appendix, module_of  # noqa: E402
+from tools.site.sections import questions, quiz_block, sections  # noqa: E402
 
 SEARCH_TERMS = ["梯度分片", "卸载", "流水线"]
 
@@ -82,13 +84,70 @@ def pages(site_dir: Path) -> list[Path]:
 
 
 def test_site_builds_strictly_with_a_home_page(site):
+    """The home page is the course's front door in Chinese: the path through every chapter, lesson and lab, each
+    chapter's 预计用时 as the chapter states it, what to install, and links to the README and the API."""
     site_dir, site_map = site
     home = (site_dir / "index.html").read_text(encoding="utf-8")
-    assert "Course map" in home
-    # The README's course map, extracted at build time, links every chapter's page.
-    for rel in site_map["chapters"]:
-        if not rel.endswith("glossary.md"):
-            assert as_url(rel) in home, rel
+    for words in (
+        "学习路线",
+        "准备环境",
+        "make test",
+        "make demo",
+        "make jupyter",
+        "Python 3.10",
+        "不需要 GPU",
+    ):
+        assert words in re.sub(r"<[^>]+>", "", home), words
+    assert 'href="readme.html"' in home and 'href="api.html"' in home
+    for rel in site_map["chapters"] + site_map["lessons"] + site_map["labs"]:
+        assert f'href="{as_url(rel)}"' in home, rel
+    for path in chapter_files():
+        when = time_estimate(path.read_text(encoding="utf-8"))
+        if path.name[0].isdigit() and not is_appendix(path.name):
+            assert when, f"{path.name}: no **预计用时**： line"
+        if when:
+            assert re.sub(r"[`*\[\]]|\(.*?\)", "", when)[:12] in re.sub(r"<[^>]+>", "", home), path.name
+    # The README (the engine's story, in English) is a page of its own, with its course map.
+    readme = (site_dir / "readme.html").read_text(encoding="utf-8")
+    assert "Course map" in readme and "README.md" in readme
+
+
+def test_a_time_estimate_is_read_with_its_continuation_lines():
+    text = "# x\n\n**预计用时**：阅读约 1.5 小时；笔记本\n边读边改约 1 小时；read the\nlab.\n\n正文\n"
+    assert time_estimate(text) == "阅读约 1.5 小时；笔记本边读边改约 1 小时；read the lab."
+    assert time_estimate("# x\n\n正文\n") is None
+    text = "**预计用时**：3～4 小时（一边读，一边 `grep`。）。本章的链接形如 [stage3.py#L1905][]。\n"
+    assert time_estimate(text) == "3～4 小时（一边读，一边 `grep`。）。"
+    assert time_estimate("**预计用时**：见 [a.py#L1][] 和 [b][x]\n") == "见 a.py#L1 和 b"
+
+
+def test_appendices_sit_at_the_end_of_their_module_under_their_title(tmp_path):
+    """An appendix (``NN-name-appendix.md``) is listed under its module, after the module's lesson and lab, with
+    its first heading as its title (marked as an appendix where the heading does not say so)."""
+    course = tmp_path / "course"
+    course.mkdir()
+    files = {
+        "04-tuning.md": "# 第 4 章 调优篇\n",
+        "04a-simd-primer.md": "# 第 4 章（入门）SIMD\n",
+        "04-tuning-appendix.md": "# 测量的细节\n\n> **Abstract.** Detours.\n",
+        "05-practice.md": "# 第 5 章 实战篇\n",
+    }
+    for name, text in files.items():
+        (course / name).write_text(text, encoding="utf-8")
+    order = sorted(course.glob("*.md"), key=lambda p: (module_of(p.name), is_appendix(p.name), p.name))
+    chapters = [(p, f"chapters/{p.name}", first_heading(p.read_text(encoding="utf-8"))) for p in order]
+    lessons = [(tmp_path / "lessons/04_tuning.ipynb", "lessons/04_tuning.ipynb", "第 4 课")]
+    labs = [(tmp_path / "labs/lab4/README.md", "labs/lab4.md", "Lab 4")]
+    nav = navigation(chapters, lessons, labs, "| 4 tuning 调优篇 | x |\n| 5 practice 实战篇 | y |")
+    module4 = next(v for item in nav for k, v in item.items() if k.startswith("Module 4"))
+    assert module4 == [
+        {"第 4 章 调优篇": "chapters/04-tuning.md"},
+        {"第 4 章（入门）SIMD": "chapters/04a-simd-primer.md"},
+        {"Lesson 4: 第 4 课": "lessons/04_tuning.ipynb"},
+        {"Lab 4": "labs/lab4.md"},
+        {"附录 · 测量的细节": "chapters/04-tuning-appendix.md"},
+    ]
+    assert [k for item in nav for k in item][-2:] == ["README (English)", "API"]
 
 
 def test_every_chapter_lesson_and_lab_has_a_page(site):
@@ -125,17 +184,47 @@ def test_every_chapter_lesson_and_lab_has_a_page(site):
 
 def test_the_answers_render_as_markdown_and_the_questions_keep_their_numbers(site):
     """Every <details> answer renders its Markdown (no raw backticks, no empty code block), also where it sits
-    under a question's list item, and the question after it keeps its number (within its section's quiz)."""
+    under a question's list item, and the question after it keeps its number (within its section)."""
     site_dir, _ = site
     for page in sorted((site_dir / "chapters").glob("0*.html")):
         text = page.read_text(encoding="utf-8")
         for block in re.findall(r"<details.*?</details>", text, re.S):
             assert "`" not in re.sub(r"<code.*?</code>|<pre.*?</pre>", "", block, flags=re.S), page.name
         assert "<pre><span></span></pre>" not in text, page.name
-        # Each section's quiz numbers its questions from 1 again: the numbers rise within a heading's part.
-        for part in re.split(r"<h[23][ >]", text):
+        for part in text.split("<h2")[1:]:  # each section's quiz numbers its questions from 1
             starts = [int(n) for n in re.findall(r'<ol start="(\d+)"', part)]
-            assert starts == sorted(starts), (page.name, starts)
+            assert starts == sorted(starts), (page.name, part[:80], starts)
+
+
+def test_each_checkable_quiz_question_is_answerable_in_its_page(site):
+    """Every question a chapter marks as checkable is a quiz block on its page, with the parser's answer (the
+    block's details are tests/course/test_site_quiz.py's); there are as many blocks as marks."""
+    site_dir, site_map = site
+    for rel in site_map["chapters"]:
+        source = (ROOT / "course" / Path(rel).name).read_text(encoding="utf-8")
+        asked = [
+            q
+            for s in sections(source)
+            if quiz_block(s) is not None
+            for q in _questions_or_none(quiz_block(s))
+            if q.kind != "open"
+        ]
+        html = (site_dir / as_url(rel)).read_text(encoding="utf-8")
+        blocks = re.findall(r'<div class="zo-quiz" ([^>]*)>', html)
+        assert len(blocks) == len(asked), rel
+        for attrs, q in zip(blocks, asked, strict=True):
+            assert f'data-quiz="{q.kind}"' in attrs and f'data-answer="{q.answer}"' in attrs, (rel, q)
+    if any(
+        'class="zo-quiz"' in p.read_text(encoding="utf-8") for p in (site_dir / "chapters").glob("*.html")
+    ):
+        assert (site_dir / "assets" / "quiz.js").is_file()
+
+
+def _questions_or_none(quiz: str) -> list:
+    try:
+        return questions(quiz)
+    except ValueError:  # a mark the parser refuses is shown as written (test_sections.py names it)
+        return []
 
 
 def test_navigation_has_previous_and_next_links(site):

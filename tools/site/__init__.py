@@ -4,7 +4,9 @@
 - ``links``: rewriting the staged copies' links to the site's pages, and the heading ids they may point at;
 - ``mathml``: the Markdown extension that turns TeX into MathML at build time;
 - ``search``: the words jieba keeps whole, so that Chinese search finds the course's terms;
-- ``pages``: the chapter, lesson, lab and home pages, and the navigation;
+- ``sections``: a chapter's sections of one sitting, their takeaways and quizzes (the format the tests check);
+- ``quiz``: the quizzes' checkable questions made answerable in the page (with ``assets/quiz.js``, ``quiz.css``);
+- ``pages``: the chapter, lesson, lab, README and home pages (``home.zh.md``), and the navigation;
 - ``api``: the API page, from the docstrings;
 - ``source_pages``: the highlighted repository files under ``source/``;
 - ``staging``: the staged docs tree mkdocs builds from (``out/site-src/docs/``);

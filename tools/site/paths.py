@@ -46,7 +46,7 @@ def page_for(rel: str) -> str | None:
     rel = rel.rstrip("/")
     p = ROOT / rel
     if rel == "README.md":
-        return "index.md"
+        return "readme.md"  # the home page (index.md) is the course's front door, in Chinese
     m = re.fullmatch(r"course/([^/]+\.md)", rel)
     if m and p.is_file():
         return f"chapters/{m.group(1)}"

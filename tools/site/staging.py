@@ -1,8 +1,9 @@
 """Staging: everything mkdocs builds from is written under ``out/site-src/docs/``, never into the sources.
 
-The staged tree holds the chapters, lessons and labs with their links rewritten (``pages.py``), the home page,
-the API page (``api.py``), the site's stylesheet, and the images the pages show (copied under ``files/``). The
-source pages under ``source/`` are not staged: the mkdocs hooks add them as generated files (``hooks.py``).
+The staged tree holds the chapters, lessons and labs with their links rewritten (``pages.py``), the README, the
+home page, the API page (``api.py``), the site's stylesheet, the quizzes' script and style (``assets/``), and the
+images the pages show (copied under ``files/``). The source pages under ``source/`` are not staged: the mkdocs
+hooks add them as generated files (``hooks.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from .api import api_markdown
 from .links import anchors_of
 from .mathml import MATH_PROBLEMS
-from .pages import navigation, stage_chapters, stage_home, stage_labs, stage_lessons
+from .pages import navigation, stage_chapters, stage_home, stage_labs, stage_lessons, stage_readme
 from .search import search_terms
 
 # The site's own styles: source links, math, the API page, and a system font stack (``font: false`` in
@@ -32,6 +33,9 @@ body, .md-typeset {
 """
 
 
+ASSETS = sorted((Path(__file__).parent / "assets").glob("*.*"))
+
+
 def stage(docs: Path) -> dict:
     """Write the staged docs tree; return the site map (navigation, page -> source, report)."""
     if docs.exists():
@@ -46,10 +50,13 @@ def stage(docs: Path) -> dict:
     chapters = stage_chapters(docs, broken, sources)
     lessons = stage_lessons(docs, broken, sources)
     labs = stage_labs(docs, broken, sources)
-    course_map = stage_home(docs, broken, sources)
+    course_map = stage_readme(docs, broken, sources)
+    stage_home(docs, broken, sources, chapters, lessons, labs)
     (docs / "api.md").write_text(api_markdown(), encoding="utf-8")
     sources["api.md"] = "src/zero_offload/__init__.py"
     (docs / "assets" / "site.css").write_text(SITE_CSS, encoding="utf-8")
+    for asset in ASSETS:  # the quizzes' script and style (extra_javascript / extra_css in mkdocs.yml)
+        shutil.copyfile(asset, docs / "assets" / asset.name)
 
     return {
         "nav": navigation(chapters, lessons, labs, course_map),
