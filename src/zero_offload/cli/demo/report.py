@@ -20,6 +20,90 @@ def _image(out: Path, name: str, alt: str) -> list[str]:
     return [f"![{alt}]({name})", ""] if (out / name).exists() else []
 
 
+# Ratios within this much of 1.0 are "about the same": a shared machine drifts by a few per cent between rounds.
+SAME = 0.05
+SERIAL, OVERLAPPED, DELAYED = "serial", "overlapped", "delayed (DPU)"
+
+
+def _speed(ratio: float) -> str:
+    """'1.15x as fast as', or for a ratio below 1, 'slower: it took 1.08x as long as'."""
+    if ratio >= 1:
+        return f"{ratio:.2f}x as fast as"
+    return f"slower: it took {1 / ratio:.2f}x as long as"
+
+
+def explain_schedules(r: dict) -> list[str]:
+    """Plain sentences on what each ratio of compare_schedules' result `r` says, the cause chosen by what was
+    measured: the per-round ratios, the CPU time each side used a step (busy_ms) and the bound (bound_ms)."""
+    busy, cores = r["busy_ms"], r["cores"]
+    where = (
+        "the same cores and memory bandwidth (cores shared)"
+        if cores == "shared"
+        else "one memory bandwidth and cache (each side has its own core, but the two cores share those)"
+    )
+    sentences = []
+    ratio = r["overlapped_vs_serial"]
+    head = f"Overlapped was {_speed(ratio)} serial (median of each round's serial / overlapped time, {ratio:.2f}x)."
+    grown = busy[OVERLAPPED]["device"] - busy[SERIAL]["device"]
+    if ratio >= 1 + SAME:
+        cause = (
+            "The host's Adam and the copies ran while the device was still in backward, so most of the serial "
+            "step's tail after backward was hidden."
+        )
+    elif grown > SAME * busy[SERIAL]["device"]:
+        cause = (
+            f"The device's own work grew from {busy[SERIAL]['device']:.1f} to {busy[OVERLAPPED]['device']:.1f} ms "
+            f"of CPU a step: the emulated device's compute and the host's Adam ran at the same time on {where}, "
+            "so what overlap hid came back as a slower backward."
+        )
+    elif busy[OVERLAPPED]["waited"] > SAME * r["median_ms"][OVERLAPPED]:
+        cause = (
+            f"The device's thread waited {busy[OVERLAPPED]['waited']:.1f} ms a step for copies, staging slots "
+            "or the host's Adam: the host could not keep up with backward, so little was hidden."
+        )
+    else:
+        cause = (
+            f"The host's work was small next to the device's ({busy[SERIAL]['host']:.1f} against "
+            f"{busy[SERIAL]['device']:.1f} ms of CPU a serial step), so there was little to hide."
+        )
+    sentences.append(f"{head} {cause}")
+    ratio = r["delayed_vs_overlapped"]
+    head = f"DPU was {_speed(ratio)} overlapped ({ratio:.2f}x)."
+    host, device = busy[DELAYED]["host"], busy[DELAYED]["device"]
+    if ratio >= 1 + SAME:
+        cause = (
+            "Each step's Adam ran under the next step's forward and backward, so the device no longer waited "
+            "for the host at the end of a step."
+        )
+    elif cores == "split" and host < device:
+        cause = (
+            f"The host's work ({host:.1f} ms of CPU a step) was already shorter than the device's "
+            f"({device:.1f} ms) and hidden behind backward, so moving Adam a step later had little left to hide."
+        )
+    else:
+        cause = (
+            f"Both sides were busy ({device:.1f} ms device, {host:.1f} ms host of CPU a step) on {where}: "
+            "running Adam beside forward as well only moved work from one side's cores to the other's."
+        )
+    sentences.append(f"{head} {cause}")
+    of_bound, bound = r["of_bound"][DELAYED], r["bound_ms"][DELAYED]
+    head = (
+        f"DPU's step took {of_bound:.2f}x its bound, {bound:.1f} ms: the busier side's CPU time a step, "
+        "the shortest step its work allows."
+    )
+    if of_bound <= 1 + SAME:
+        cause = "It hid nearly everything the other side did."
+    else:
+        waited = busy[DELAYED]["waited"]
+        rest = r["mean_ms"][DELAYED] - device - waited
+        cause = (
+            f"Of the rest, the device's thread was blocked {waited:.1f} ms a step on copies, slots or the "
+            f"host, and {max(rest, 0.0):.1f} ms it could have run but did not (waiting for the GIL or a core)."
+        )
+    sentences.append(f"{head} {cause}")
+    return sentences
+
+
 def write_report(out: Path, results: dict) -> Path:
     arithmetic, offload, memory = results["arithmetic"], results["offload"], results["memory"]
     lines = [
@@ -70,6 +154,8 @@ def write_report(out: Path, results: dict) -> Path:
             "",
             f"Overlapped / serial: {r['overlapped_vs_serial']:.2f}x; DPU / overlapped: "
             f"{r['delayed_vs_overlapped']:.2f}x.",
+            "",
+            *(f"- {sentence}" for sentence in explain_schedules(r)),
             "",
         ]
         for slug in ("serial", "overlapped", "delayed"):
