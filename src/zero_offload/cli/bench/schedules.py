@@ -90,7 +90,8 @@ def compare_schedules(
     variant: str = "widest",
     out_dir: str | Path | None = None,
 ) -> dict:
-    """Median ms per step of each schedule (rounds interleaved), the losses, and each one's timeline plot.
+    """Median ms per step of each schedule (rounds interleaved), the losses, and each one's timeline plot (one
+    typical step, zoomed).
 
     The speed-ups are medians of per-round ratios: this machine's speed drifts by 10-20% over seconds (a
     shared VM), and two schedules timed in the same round see the same drift.
