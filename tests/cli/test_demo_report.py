@@ -114,3 +114,13 @@ def test_with_one_or_two_steps_the_shorter_is_shown_and_an_empty_timeline_is_ref
     assert {s.step for s in representative_step(_steps({7: 0.2, 8: 0.1}))} == {8}
     with pytest.raises(ValueError, match="no spans"):
         representative_step([])
+
+
+def test_the_cause_named_is_what_grew_most_on_the_devices_thread():
+    r = _result("split", serial_over_overlapped=0.8, device=(30.0, 30.0, 30.0))
+    r["busy_ms"]["overlapped"]["waited"] = 9.0  # blocked 8 ms more than serial: the host fell behind
+    assert "blocked 9.0 ms a step (against 1.0 in serial)" in explain_schedules(r)[0]
+    r = _result("shared", serial_over_overlapped=0.8, device=(30.0, 30.0, 30.0))
+    r["mean_ms"]["overlapped"] = 60.0  # 10 ms more off its core, neither more work nor more waits
+    overlap = explain_schedules(r)[0]
+    assert "spent 10.0 ms a step more able to run but not running" in overlap and "GIL" in overlap
