@@ -30,6 +30,8 @@ SECTIONED_NAMES: set[str] = {
     "04-tuning.md",
     "04-tuning-appendix.md",
     "04a-simd-primer.md",
+    "05-practice.md",
+    "05-practice-appendix.md",
 }
 SECTIONED = sorted(p for p in COURSE.glob("0*.md") if p.name in SECTIONED_NAMES)
 

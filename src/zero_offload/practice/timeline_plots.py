@@ -3,7 +3,9 @@
 `plot_timeline` draws what `engine.timeline(path)` gathered: one band per rank, one lane per stage, the last
 steps side by side. At that scale a step's copies and its Adam are slivers. `plot_step` cuts one optimizer
 step out of each schedule (serial, overlapped, delayed, ...) and stacks them on one time axis, so that the
-schedules' lengths compare and the widths of the short stages can be read.
+schedules' lengths compare and the widths of the short stages can be read. `representative_step` picks one
+typical step out of many (the median-length one after the first), so that a picture of one schedule shows a
+step zoomed rather than several turns of steps with the gaps between them.
 """
 
 from __future__ import annotations
@@ -69,6 +71,34 @@ def step_to_show(spans_by_name: dict[str, list[Span]]) -> int:
         )
     complete = [step for step in common if all(step < max(steps) for steps in step_sets)]
     return max(complete or common)
+
+
+def representative_step(spans: list[Span]) -> list[Span]:
+    """The spans of one typical step of `spans`, shifted so that the step starts at 0 (seconds).
+
+    A step's length runs from its first span's start to its last span's end. The oldest step held is left out
+    when there are three or more (its spans may have been trimmed, or it carries the warm-up), and so is the
+    newest (it may be unfinished, or lack the work a schedule delays into the next step). Of the steps left,
+    the one of median length is chosen (the shorter middle one of an even count, the earlier of equal ones):
+    a step stretched by a pause between turns, or by a hiccup of the machine, is never the one shown."""
+    if not spans:
+        raise ValueError("no spans: the timeline holds no step")
+    by_step: dict[int, list[Span]] = {}
+    for s in spans:
+        by_step.setdefault(s.step, []).append(s)
+    steps = sorted(by_step)
+    if len(steps) >= 3:
+        steps = steps[1:-1]
+    lengths = {
+        step: max(s.end for s in by_step[step]) - min(s.start for s in by_step[step]) for step in steps
+    }
+    ranked = sorted(steps, key=lambda step: (lengths[step], step))
+    chosen = ranked[(len(ranked) - 1) // 2]
+    origin = min(s.start for s in by_step[chosen])
+    return [
+        Span(s.stage, s.step, s.start - origin, s.end - origin)
+        for s in sorted(by_step[chosen], key=lambda s: s.start)
+    ]
 
 
 def plot_step(

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ...accelerator import EmulatedAccelerator
 from ...accelerator.streams import seconds_blocked
 from ...engine import initialize
-from ...practice.timeline_plots import plot_step
+from ...practice.timeline_plots import plot_step, representative_step
 from ...workloads import ByteBatches, TinyGPT, gpt_config, lm_loss, load_corpus
 from .busy import Busy, cpu_seconds
 
@@ -90,7 +90,8 @@ def compare_schedules(
     variant: str = "widest",
     out_dir: str | Path | None = None,
 ) -> dict:
-    """Median ms per step of each schedule (rounds interleaved), the losses, and each one's timeline plot.
+    """Median ms per step of each schedule (rounds interleaved), the losses, and each one's timeline plot (one
+    typical step, zoomed).
 
     The speed-ups are medians of per-round ratios: this machine's speed drifts by 10-20% over seconds (a
     shared VM), and two schedules timed in the same round see the same drift.
@@ -167,9 +168,15 @@ def compare_schedules(
             for name, engine in engines.items():
                 slug = name.split()[0]
                 path = out / f"timeline_{slug}_{cores}.png"
-                spans[name] = engine.timeline(
-                    path, title=f"{name}, {cores} cores", trace=path.with_suffix(".json")
-                )[0]
+                # The trace keeps every step held; the picture shows one typical step, zoomed.
+                spans[name] = engine.timeline(trace=path.with_suffix(".json"))[0]
+                one = representative_step(spans[name])
+                plot_step(
+                    {name: one},
+                    path,
+                    step=one[0].step,
+                    title=f"{name}, {cores} cores: one typical step (the median-length one)",
+                )
                 plots[name] = str(path)
             # One step of each, at a scale where the overlap (or its absence) is visible.
             plots["one step"] = str(
