@@ -64,8 +64,8 @@ CLAIMS = (
         32000,
         "cluster",
         "512x V100 (32 DGX-2)",
-        "Rajbhandari et al., ZeRO-Infinity, SC 2021, arXiv:2104.07857, evaluation (model scale): "
-        "a 32 trillion parameter model on 512 NVIDIA V100 GPUs (32 DGX-2 nodes)",
+        "Rajbhandari et al., ZeRO-Infinity, SC 2021, arXiv:2104.07857, section 1 (contributions) and section 8 "
+        "(evaluation): a 32 trillion parameter model on 512 NVIDIA V100 GPUs (32 DGX-2 nodes)",
     ),
     Claim(
         "PatrickStar",
