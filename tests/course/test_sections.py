@@ -32,6 +32,8 @@ SECTIONED_NAMES: set[str] = {
     "04a-simd-primer.md",
     "05-practice.md",
     "05-practice-appendix.md",
+    "06-state-of-the-art.md",
+    "06a-paper-audit.md",
 }
 SECTIONED = sorted(p for p in COURSE.glob("0*.md") if p.name in SECTIONED_NAMES)
 

@@ -474,7 +474,7 @@ def test_defaults():
     assert cfg.zero_optimization == ZeroConfig()
     assert not cfg.activation_checkpointing.enabled
     assert cfg.zero_offload.device_memory is None and cfg.zero_offload.cpu_adam.impl == "simd"
-    assert cfg.zero_offload.delayed_param_update.start_step == 10
+    assert cfg.zero_offload.delayed_param_update.start_step == 40
     assert cfg.zero_offload.max_skipped_steps == 20
     assert cfg.gradient_clipping == 0.0
 

@@ -10,7 +10,7 @@ Every key is optional; a section that sets them all reads:
                                             # its m and v: "fp32" | "bf16" | "int8" (8-bit codes, block scales)
         "overlap_offload": true,            # module 5: copies and the host's Adam overlap the device's work
         "staging_slots": 4,                 # its host staging buffers per direction (default 2: double-buffered)
-        "delayed_param_update": {"enabled": true, "start_step": 10},
+        "delayed_param_update": {"enabled": true, "start_step": 40},
         "cores": {"device": [0], "host": [1]},  # pin the device's compute and the host's Adam apart
         "max_skipped_steps": 20             # stop after this many steps in a row skipped for inf/nan
     }
@@ -55,7 +55,7 @@ def read_extension(s: Section) -> ExtensionConfig:
         max_skipped_steps=s.get("max_skipped_steps", int, 20, **AT_LEAST_1),
         delayed_param_update=DelayedParamUpdateConfig(
             enabled=delayed.get("enabled", bool, False),
-            start_step=delayed.get("start_step", int, 10, **NON_NEGATIVE),
+            start_step=delayed.get("start_step", int, 40, **NON_NEGATIVE),
         ),
         cores=_cores(s.section("cores")),
     )
