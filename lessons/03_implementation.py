@@ -735,4 +735,4 @@ else:
 
 # %% [markdown]
 # 装了 DeepSpeed 时应当看到：DeepSpeed 下行 4、上行 2，本引擎 2 和 2；`offload_param` 的设置在 stage 2 的优化器里不存在。
-# 为什么是 4、哪一行做的，以及 stage 3 打开 `offload_param` 后两边各搬多少，见第 3 章（续）的 3A.1 节和 3A.4 节。
+# 为什么是 4、哪一行做的，见第 3 章（续）的 3A.1 节和 3A.4 节；stage 3 打开 `offload_param` 后两边各搬多少，见 3A.6 节和 3A.7 节。

@@ -21,7 +21,7 @@ from tools.site.sections import (
 
 COURSE = Path(__file__).resolve().parents[2] / "course"
 # The chapters already written in sections of one sitting; the others are being rewritten into them.
-SECTIONED_NAMES: set[str] = set()
+SECTIONED_NAMES: set[str] = {"03a-reading-deepspeed.md"}
 SECTIONED = sorted(p for p in COURSE.glob("0*.md") if p.name in SECTIONED_NAMES)
 
 
