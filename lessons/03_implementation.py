@@ -639,3 +639,100 @@ show(fig, "lr_schedules.png")
 # | Lab 3.4 | 本地分片里有 inf 或 nan，所有 rank 达成一致 | `overflow_on_any_rank` |
 #
 # 卡住时运行 `grep -rn "Lab 3.2"`，就能同时找到实验桩、第 3 章里讲解它的段落和评分测试。
+
+# %% [markdown]
+# ## 附：在 CPU 上对照真的 DeepSpeed（装了 `deepspeed` 才运行）
+#
+# 第 3 章（续）[读 DeepSpeed 的源码](../course/03a-reading-deepspeed.md) 从 DeepSpeed 的代码里读出：ZeRO-2 + CPU 卸载时，
+# 梯度在设备上先升成 fp32 再下行，**4 字节/参数**，权重上行 **2 字节/参数**；stage 2 的配置里写了 `offload_param`，
+# DeepSpeed 不报错，只是不用它。下面这一格把这两件事量出来，放在第 3 节本引擎的 2 + 2 旁边。
+#
+# `deepspeed` 不是本项目的依赖，默认没有安装；没有它，这一格只打印安装方法。要运行它，在项目的虚拟环境里：
+#
+# ```bash
+# DS_BUILD_OPS=0 .venv/bin/pip install deepspeed    # 不预编译任何算子
+# DS_ACCELERATOR=cpu                                # 这一格自己会设：DeepSpeed 在 CPU 上跑，不需要 GPU
+# ```
+#
+# 在 CPU 上没有"设备"和"主机"之分，所以这里不看张量在哪，而是数**那两行拷贝**搬了多少字节：
+# 下行数 `async_inplace_copy_grad_to_fp32_buffer_from_gpu` 里的拷贝，上行数 `step()` 里写进本 rank 16 位分片的拷贝。
+# 用 bf16：DeepSpeed 的 CPU 加速器只在这颗 CPU 的 oneDNN 支持 fp16 时才接受 fp16，bf16 则处处可用，而且与 fp16 一样每个数 2 字节；
+# 优化器用 `torch_adam`，免得编译 CPU Adam。
+# 第一次运行时 DeepSpeed 会用 g++ 编译它的共享内存通信算子，要一两分钟。
+
+# %%
+import importlib.util  # noqa: E402
+
+if importlib.util.find_spec("deepspeed") is None:
+    print("deepspeed is not installed (it is not a dependency of this project): skipped.")
+    print("To run this cell, install it into the project's virtual environment:")
+    print("    DS_BUILD_OPS=0 .venv/bin/pip install deepspeed")
+    print("It then runs on the CPU: the cell sets DS_ACCELERATOR=cpu before importing it.")
+else:
+    import socket
+
+    os.environ["DS_ACCELERATOR"] = "cpu"  # before the import: DeepSpeed picks its accelerator once
+    with socket.socket() as probe:  # a process group of one rank, without a launcher
+        probe.bind(("127.0.0.1", 0))
+        free_port = probe.getsockname()[1]
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port)}.items():
+        os.environ.setdefault(key, value)
+    import deepspeed
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    ds_config = {
+        "train_batch_size": 4,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
+        # offload_param at stage 2, as in the course introduction's config: DeepSpeed accepts it.
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                              "offload_param": {"device": "cpu"}},
+    }
+    torch.manual_seed(0)
+    ds_model = TinyGPT("nano")
+    ds_engine, *_ = deepspeed.initialize(model=ds_model, model_parameters=ds_model.parameters(), config=ds_config)
+    ds_opt = ds_engine.optimizer
+    print(f"deepspeed {deepspeed.__version__}: the optimizer is {type(ds_opt).__name__}; the config's "
+          f"offload_param.device is {ds_engine.zero_offload_param().device!r}, and the optimizer has "
+          f"{'an' if hasattr(ds_opt, 'offload_param') else 'no'} offload_param setting: it was dropped")
+
+    # Count the bytes of the two copies 3a reads: the gradient's (D2H) and the new weights' (H2D).
+    ds_moved = {"D2H": 0, "H2D": 0}
+    inside_down = [False]
+    shard_ptrs = {t.data_ptr() for group in ds_opt.parallel_partitioned_bit16_groups for t in group}
+    plain_copy = torch.Tensor.copy_
+    plain_down = DeepSpeedZeroOptimizer.async_inplace_copy_grad_to_fp32_buffer_from_gpu
+
+    def counting_copy(dst, src, *args, **kwargs):
+        if inside_down[0]:
+            ds_moved["D2H"] += src.numel() * src.element_size()
+        elif dst.data_ptr() in shard_ptrs:
+            ds_moved["H2D"] += src.numel() * src.element_size()
+        return plain_copy(dst, src, *args, **kwargs)
+
+    def counting_down(self, param):
+        inside_down[0] = True
+        try:
+            return plain_down(self, param)
+        finally:
+            inside_down[0] = False
+
+    torch.Tensor.copy_ = counting_copy
+    DeepSpeedZeroOptimizer.async_inplace_copy_grad_to_fp32_buffer_from_gpu = counting_down
+    try:
+        tokens = torch.randint(0, 256, (4, 32))
+        ds_engine.backward(lm_loss(ds_engine(tokens), tokens))
+        ds_engine.step()
+    finally:
+        torch.Tensor.copy_ = plain_copy
+        DeepSpeedZeroOptimizer.async_inplace_copy_grad_to_fp32_buffer_from_gpu = plain_down
+    n_ds = sum(p.numel() for p in ds_model.parameters())
+    n_ours, d2h_ours, h2d_ours = pcie["stage 2 + offload", "nano"]  # section 3's measurement, same model
+    print(f"{'bytes a parameter, one step':<40}{'D2H':>8}{'H2D':>8}")
+    print(f"{'DeepSpeed, stage 2 + offload_optimizer':<40}{ds_moved['D2H'] / n_ds:>8.3f}{ds_moved['H2D'] / n_ds:>8.3f}")
+    print(f"{'zero_offload, stage 2 + offload':<40}{d2h_ours / n_ours:>8.3f}{h2d_ours / n_ours:>8.3f}")
+
+# %% [markdown]
+# 装了 DeepSpeed 时应当看到：DeepSpeed 下行 4、上行 2，本引擎 2 和 2；`offload_param` 的设置在 stage 2 的优化器里不存在。
+# 为什么是 4、哪一行做的，见第 3 章（续）的 3A.1 节和 3A.4 节；stage 3 打开 `offload_param` 后两边各搬多少，见 3A.6 节和 3A.7 节。

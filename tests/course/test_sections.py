@@ -27,6 +27,7 @@ SECTIONED_NAMES: set[str] = {
     "02-principles.md",
     "03-implementation.md",
     "03-implementation-appendix.md",
+    "03a-reading-deepspeed.md",
     "04-tuning.md",
     "04-tuning-appendix.md",
     "04a-simd-primer.md",
