@@ -132,35 +132,17 @@ def _about(result: dict, workload: str) -> str:
 
 
 def plot(result: dict, path: Path) -> Path:
+    """The course's figure of `result` (tools/figures/moment_convergence.py draws it; so does
+    `python -m tools.draw_figures`, from the committed .json)."""
     import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    if str(REPO) not in sys.path:  # run as a script, tools/ is on the path but the repository is not
+        sys.path.insert(0, str(REPO))
+    from tools.figures.moment_convergence import draw_result
 
-    workloads = list(result["summary"])
-    fig, axes = plt.subplots(1, len(workloads), figsize=(4.6 * len(workloads), 3.6), squeeze=False)
-    colours = {"fp32": "#222222", "bf16": "#3a6ea5", "int8": "#e08a1e"}
-    window = 20
-    for ax, workload in zip(axes[0], workloads, strict=True):
-        for precision in PRECISIONS:
-            runs = [r for r in result["runs"] if r["workload"] == workload and r["precision"] == precision]
-            if not runs:
-                continue
-            steps = len(runs[0]["losses"])
-            mean = [statistics.fmean(r["losses"][i] for r in runs) for i in range(steps)]
-            smooth = [statistics.fmean(mean[max(0, i - window + 1) : i + 1]) for i in range(steps)]
-            final = result["summary"][workload][precision]["val_mean"]
-            ax.plot(range(1, steps + 1), smooth, color=colours[precision], lw=1.3,
-                    label=f"{precision} moments (val {final:.3f})")  # fmt: skip
-        ax.set_title(workload)
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"train loss, mean of seeds, {window}-step average")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
-    return path
+    with matplotlib.rc_context(matplotlib.rcParamsDefault):
+        matplotlib.use("Agg")
+        return draw_result(result, path)
 
 
 def main(argv: list[str] | None = None) -> int:

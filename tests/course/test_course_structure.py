@@ -3,7 +3,7 @@
 The checks read the Markdown as a learner meets it: each numbered chapter has an English abstract, a block of
 学习目标 / 先修 / 预计用时 near its top, and every question of its 自测题 is followed by an answer or a hint
 (`<details>`); the glossary exists and defines the terms the course asks to keep one name for; every figure a
-chapter shows is in the repository.
+chapter shows is in the repository, every chapter shows at least one, and each is drawn by tools/figures/.
 """
 
 from __future__ import annotations
@@ -76,3 +76,20 @@ def test_the_course_shows_its_figures_and_each_is_in_the_repository():
             assert (chapter.parent / target).is_file(), f"{chapter.name} shows {target}, which is missing"
             shown.add(target)
     assert len(shown) >= 3, f"the course shows {len(shown)} figures: {sorted(shown)}"
+
+
+FIGURE = re.compile(r"!\[[^\]]*\]\((figures/[^)\s]+\.png)\)")
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda c: c.name)
+def test_each_chapter_shows_a_figure_that_the_figure_modules_draw(chapter):
+    """A picture where a picture says it better: every chapter has one, and none is drawn by hand (each is one
+    that `python -m tools.draw_figures` writes, so tests/course/test_figures.py checks its bytes)."""
+    from tools.figures import collect
+
+    drawn = set(collect())
+    shown = FIGURE.findall(chapter.read_text(encoding="utf-8"))
+    assert shown, f"{chapter.name} shows no figure (![English alt text](figures/NAME.png))"
+    for target in shown:
+        name = target.removeprefix("figures/")
+        assert name in drawn, f"{chapter.name} shows {target}, which no module of tools/figures/ draws"
