@@ -19,20 +19,10 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch, Rectangle
 
 from zero_offload.basics.memory import estimate_model_states
 
-from .style import CPU, CPU_LIGHT, EDGE, GPU, GPU_LIGHT, HOLLOW, INK, LINK, LINK_LIGHT, save
+from .style import CPU, CPU_LIGHT, EDGE, GPU, GPU_LIGHT, HOLLOW, INK, LINK, LINK_LIGHT, canvas, save
 
 N = 4  # GPUs (ranks) in the ZeRO figure
 UNITS = 4  # units in the pipeline figure
-
-
-def _canvas(width: float, height: float):
-    """A figure whose single axes spans it and whose data units are inches: (0, 0) bottom left."""
-    fig = plt.figure(figsize=(width, height))
-    ax = fig.add_axes((0, 0, 1, 1))
-    ax.set_xlim(0, width)
-    ax.set_ylim(0, height)
-    ax.axis("off")
-    return fig, ax
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -85,7 +75,7 @@ def _title(ax, width: float, height: float, text: str) -> None:
 
 def draw_zero_stages(path: Path) -> Path:
     width, height = 10.0, 6.5
-    fig, ax = _canvas(width, height)
+    fig, ax = canvas(width, height)
     _title(
         ax,
         width,
@@ -226,7 +216,7 @@ def _edge_label(ax, x: float, y: float, text: str, color: str = INK, **kwargs) -
 
 def draw_offload_dataflow(path: Path) -> Path:
     width, height = 10.0, 5.0
-    fig, ax = _canvas(width, height)
+    fig, ax = canvas(width, height)
     _title(
         ax, width, height, "One ZeRO-Offload step as a data-flow graph (after Ren et al., 2021, section 3)"
     )

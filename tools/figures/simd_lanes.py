@@ -14,10 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from .style import CPU, CPU_LIGHT, EDGE, GPU_LIGHT, HOLLOW, INK, LINK, LINK_LIGHT, save
+from .style import CPU, CPU_LIGHT, EDGE, GPU_LIGHT, HOLLOW, INK, LINK, LINK_LIGHT, canvas, save
 
 N = 1003  # the primer's example: saxpy n=1003 in course/examples/simd_primer.c
 REGISTER_BITS = 256  # AVX2's __m256
@@ -60,15 +59,6 @@ def split(n: int, register_bits: int = REGISTER_BITS) -> Split:
 def f16c_bits(register_bits: int = REGISTER_BITS) -> int:
     """The register `_mm256_cvtps_ph` writes: one fp16 per fp32 lane of the input."""
     return lanes(register_bits) * FP16_BITS
-
-
-def _canvas(width: float, height: float):
-    fig = plt.figure(figsize=(width, height))
-    ax = fig.add_axes((0, 0, 1, 1))
-    ax.set_xlim(0, width)
-    ax.set_ylim(0, height)
-    ax.axis("off")
-    return fig, ax
 
 
 def _cells(ax, x: float, y: float, width: float, height: float, texts, color: str, fontsize: float = 7.5):
@@ -132,7 +122,7 @@ def _array_row(ax, s: Split, top: float) -> None:
 
 def draw_simd_lanes(path: Path) -> Path:
     s = split(N)
-    fig, ax = _canvas(11, 7)
+    fig, ax = canvas(11, 7)
     _array_row(ax, s, top=6.8)
 
     # one iteration's registers: the last vector iteration, lane by lane

@@ -30,3 +30,13 @@ def save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=DPI, metadata={"Software": None})
     plt.close(fig)
     return path
+
+
+def canvas(width: float, height: float):
+    """A figure whose single axes spans it and whose data units are inches: (0, 0) bottom left."""
+    fig = plt.figure(figsize=(width, height))
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, width)
+    ax.set_ylim(0, height)
+    ax.axis("off")
+    return fig, ax
