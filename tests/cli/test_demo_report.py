@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from zero_offload.cli.demo.report import explain_schedules, write_report
+from zero_offload.cli.demo.explain import explain_schedules
+from zero_offload.cli.demo.report import write_report
 from zero_offload.practice.spans import Span
 from zero_offload.practice.timeline_plots import representative_step
 
