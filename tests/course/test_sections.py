@@ -60,7 +60,9 @@ def problems(text: str) -> list[str]:
 
 def test_the_check_covers_the_whole_course():
     names = {p.name for p in SECTIONED}
-    assert {"00-overview.md", "04-tuning.md", "04-tuning-appendix.md", "06-state-of-the-art.md"} <= names, names
+    assert {"00-overview.md", "04-tuning.md", "04-tuning-appendix.md", "06-state-of-the-art.md"} <= names, (
+        names
+    )
 
 
 @pytest.mark.parametrize("chapter", SECTIONED, ids=lambda p: p.name)
