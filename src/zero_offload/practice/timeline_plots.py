@@ -73,8 +73,8 @@ def step_to_show(spans_by_name: dict[str, list[Span]]) -> int:
     return max(complete or common)
 
 
-def representative_step(spans: list[Span]) -> list[Span]:
-    """The spans of one typical step of `spans`, shifted so that the step starts at 0 (seconds).
+def representative_step(spans: list[Span]) -> int:
+    """The step of `spans` to show as the typical one (`plot_step` cuts it out and starts its time at 0).
 
     A step's length runs from its first span's start to its last span's end. The oldest step held is left out
     when there are three or more (its spans may have been trimmed, or it carries the warm-up), and so is the
@@ -83,22 +83,16 @@ def representative_step(spans: list[Span]) -> list[Span]:
     a step stretched by a pause between turns, or by a hiccup of the machine, is never the one shown."""
     if not spans:
         raise ValueError("no spans: the timeline holds no step")
-    by_step: dict[int, list[Span]] = {}
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
     for s in spans:
-        by_step.setdefault(s.step, []).append(s)
-    steps = sorted(by_step)
+        first[s.step] = min(first.get(s.step, s.start), s.start)
+        last[s.step] = max(last.get(s.step, s.end), s.end)
+    steps = sorted(first)
     if len(steps) >= 3:
         steps = steps[1:-1]
-    lengths = {
-        step: max(s.end for s in by_step[step]) - min(s.start for s in by_step[step]) for step in steps
-    }
-    ranked = sorted(steps, key=lambda step: (lengths[step], step))
-    chosen = ranked[(len(ranked) - 1) // 2]
-    origin = min(s.start for s in by_step[chosen])
-    return [
-        Span(s.stage, s.step, s.start - origin, s.end - origin)
-        for s in sorted(by_step[chosen], key=lambda s: s.start)
-    ]
+    ranked = sorted(steps, key=lambda step: (last[step] - first[step], step))
+    return ranked[(len(ranked) - 1) // 2]
 
 
 def plot_step(

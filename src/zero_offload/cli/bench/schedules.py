@@ -170,11 +170,10 @@ def compare_schedules(
                 path = out / f"timeline_{slug}_{cores}.png"
                 # The trace keeps every step held; the picture shows one typical step, zoomed.
                 spans[name] = engine.timeline(trace=path.with_suffix(".json"))[0]
-                one = representative_step(spans[name])
                 plot_step(
-                    {name: one},
+                    {name: spans[name]},
                     path,
-                    step=one[0].step,
+                    step=representative_step(spans[name]),
                     title=f"{name}, {cores} cores: one typical step (the median-length one)",
                 )
                 plots[name] = str(path)
