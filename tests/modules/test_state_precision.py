@@ -245,6 +245,27 @@ def test_denormal_moments_and_gradients(variant, precision):
     assert float(new_v.max()) < 1.18e-38, "v left the subnormals: the test would not test them"
 
 
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "scalar"])
+def test_nan_and_inf_gradients_code_as_the_scalar_loop_does(variant):
+    # The engine refuses a step whose gradients hold a NaN or an Inf before the kernel sees them. Called
+    # directly, every variant must still write the scalar loop's codes: a NaN is passed over by its block's
+    # largest and coded as the lowest code (-127 for m, 0 for sqrt v); an Inf makes its block's scale Inf.
+    # Betas 0 make the new moments g and g * g, exact in every variant, so the codes can be compared bit for bit.
+    param, grad, m, v = _random(3 * sp.BLOCK + 64, seed=7)
+    grad[[5, 700, sp.BLOCK + 17, 3 * sp.BLOCK + 3]] = float("nan")
+    grad[2 * sp.BLOCK + 9] = float("inf")
+    state = sp.encode_moments(m, v, "int8")
+    hyper = dict(step=1, betas=(0.0, 0.0), weight_decay=0.0, bias_correction=False)
+    want = _kernel_step("scalar", param, grad, state, **hyper)[1]
+    got = _kernel_step(variant, param, grad, state, **hyper)[1]
+    assert int(want["exp_avg"][5]) == -127 and int(want["exp_avg_sq"][5]) == 0, "the scalar loop's NaN codes"
+    assert bool(want["exp_avg_scale"].isfinite()[[0, 1, 3]].all()), "a NaN reached a block's scale"
+    for name in want:
+        same = got[name] == want[name]
+        same |= got[name].isnan() & want[name].isnan() if got[name].is_floating_point() else same
+        assert bool(same.all()), f"{name} differs from the scalar loop's at {int((~same).sum())} elements"
+
+
 @pytest.mark.parametrize("precision", NARROW)
 def test_one_and_two_threads_give_the_same_bits(precision):
     # Each thread takes at least 2^16 elements: this length splits in two, the second chunk inside no block

@@ -10,7 +10,7 @@
  * Each element is read once and written once: 4 (w) + 2..4 (g) + 4 (m) + 4 (v) read, 4 + 4 + 4 + 2 written.
  *
  * Variants: a portable scalar loop, and on x86-64 an AVX2 + FMA + F16C loop (8 floats a step) and an AVX-512
- * loop (16 floats a step), chosen at run time by what the CPU reports. Per-function target attributes keep the
+ * loop (16 floats a step; AVX-512F and BW, which every AVX-512 CPU since 2017 has), chosen at run time by what the CPU reports. Per-function target attributes keep the
  * rest of the file portable: no -march=native, so one build runs on any x86-64 and on ARM (scalar only). The
  * scalar loop is the reference the vector loops are tested against; it is compiled with -ffp-contract=off so
  * no FMA sneaks into it.
@@ -25,6 +25,10 @@
 #include <string.h>
 
 #include "cpu_adam.h"
+
+/* Inlined even where the compiler would not: small helpers of the vector loops, and loop bodies specialised by
+ * a constant argument (GCC 12 left a prefetch helper out of line and dropped its prefetches). */
+#define ZO_INLINE static inline __attribute__((always_inline))
 
 /* Lab 4's stubs call ZO_LAB_NOT_IMPLEMENTED("Lab 4.x: ..."): the update then reports the missing task to
  * Python (zo_adam_update returns -2, zo_missing_lab() names it) instead of silently computing something. */
@@ -134,6 +138,24 @@ static float squares_scalar(const zo_adam_args *a, int64_t begin, int64_t end) {
 #include <immintrin.h>
 #define ZO_AVX2 __attribute__((target("avx2,fma,f16c")))
 
+/* The 16-bit copy of the weights (out) goes to the device, not back into this core. A plain store first reads
+ * each line it is about to overwrite: 2 bytes a parameter more traffic, an eighth of the int8 step's 16. A
+ * streaming store writes the line without reading it. The loops stream where out is 16-bit and element i of it
+ * is aligned to the store's `bytes` (torch's buffers are; a slice may not be). Streaming stores are weakly
+ * ordered: run_chunk ends with an sfence, so the copy is in memory before another thread reads it. */
+static int streams_out(const zo_adam_args *a, int64_t i, int bytes) {
+    return a->out != NULL && a->out_dtype != ZO_F32 && (uintptr_t)((uint16_t *)a->out + i) % bytes == 0;
+}
+
+/* An int8 block's second pass (encoding its codes) works in L1 and reads no memory, and the hardware
+ * prefetcher, which follows the loads, goes quiet with it. So the first pass asks for the bytes one block
+ * ahead itself, into L2 (element i + ZO_STATE_BLOCK of `array`, elements of `size` bytes): they arrive while
+ * this block is being encoded. One prefetch a vector and array, even where it asks for a line already asked
+ * for: in L1, the test that would skip it cost more than the prefetch. */
+ZO_INLINE void fetch_next_block(const void *array, int64_t i, int size) {
+    _mm_prefetch((const char *)array + (i + ZO_STATE_BLOCK) * size, _MM_HINT_T1);
+}
+
 ZO_AVX2 static __m256 load8_grad(const void *grad, int dtype, int64_t i) {
     if (dtype == ZO_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)grad + i)));
     if (dtype == ZO_BF16) {
@@ -141,6 +163,19 @@ ZO_AVX2 static __m256 load8_grad(const void *grad, int dtype, int64_t i) {
         return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
     }
     return _mm256_loadu_ps((const float *)grad + i);
+}
+
+/* AVX2 has no bf16 instruction: round in integer lanes as float_to_bf16 does, then pack 32 -> 16 bits. */
+ZO_AVX2 static __m128i bf16_bits8(__m256 w) {
+    __m256i bits = _mm256_castps_si256(w);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)); /* ties go to the even neighbour */
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+    __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+    __m256i is_nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000));
+    __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+    __m256i halves = _mm256_blendv_epi8(rounded, quiet, is_nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1));
 }
 
 ZO_AVX2 static void store8_out(void *out, int dtype, int64_t i, __m256 w) {
@@ -151,20 +186,20 @@ ZO_AVX2 static void store8_out(void *out, int dtype, int64_t i, __m256 w) {
         _mm_storeu_si128((__m128i *)((uint16_t *)out + i), _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT));
         /* END LAB 4.2 */
     } else if (dtype == ZO_BF16) {
-        /* AVX2 has no bf16 instruction: round in integer lanes as float_to_bf16 does, then pack 32 -> 16 bits. */
-        __m256i bits = _mm256_castps_si256(w);
-        __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-        __m256i bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)); /* ties go to the even neighbour */
-        __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
-        __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
-        __m256i is_nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000));
-        __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
-        __m256i halves = _mm256_blendv_epi8(rounded, quiet, is_nan);
-        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1));
-        _mm_storeu_si128((__m128i *)((uint16_t *)out + i), packed);
+        _mm_storeu_si128((__m128i *)((uint16_t *)out + i), bf16_bits8(w));
     } else {
         _mm256_storeu_ps((float *)out + i, w);
     }
+}
+
+/* store8_out, or a streaming store where `streams` (streams_out): the narrow loops' rounded copy. */
+ZO_AVX2 ZO_INLINE void put8_out(void *out, int dtype, int64_t i, __m256 w, int streams) {
+    if (!streams) {
+        store8_out(out, dtype, i, w);
+        return;
+    }
+    __m128i bits = dtype == ZO_F16 ? _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT) : bf16_bits8(w);
+    _mm_stream_si128((__m128i *)((uint16_t *)out + i), bits);
 }
 
 ZO_AVX2 static void adam_avx2(const zo_adam_args *a, int64_t begin, int64_t end) {
@@ -230,10 +265,11 @@ ZO_AVX2 static float squares_avx2(const zo_adam_args *a, int64_t begin, int64_t 
     return sum + squares_scalar(a, i, end);
 }
 
-/* The same loop on 16 floats. AVX-512F has the fp16 conversions at this width; bf16 is rounded in integer
- * lanes as on AVX2, 16 at a time, with a mask for the NaNs and vpmovdw to narrow 32 -> 16 bits. (The
- * AVX512_BF16 instruction would do it in one, but it flushes subnormals to zero: not the scalar loop's answer.) */
-#define ZO_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+/* The same loop on 16 floats. AVX-512F has the fp16 conversions at this width, and AVX-512BW the byte packs
+ * that narrow the int8 codes (encode_avx512). bf16 is rounded in integer lanes as on AVX2, 16 at a time, with
+ * a mask for the NaNs and vpmovdw to narrow 32 -> 16 bits. (The AVX512_BF16 instruction would do it in one,
+ * but it flushes subnormals to zero: not the scalar loop's answer.) */
+#define ZO_AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
 
 ZO_AVX512 static __m512 load16_grad(const void *grad, int dtype, int64_t i) {
     if (dtype == ZO_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)grad + i)));
@@ -244,20 +280,27 @@ ZO_AVX512 static __m512 load16_grad(const void *grad, int dtype, int64_t i) {
     return _mm512_loadu_ps((const float *)grad + i);
 }
 
+/* 16 floats rounded to fp16 or bf16 (dtype), nearest even. */
+ZO_AVX512 static __m256i half_bits16(int dtype, __m512 w) {
+    if (dtype == ZO_F16) return _mm512_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT);
+    __m512i bits = _mm512_castps_si512(w), high = _mm512_srli_epi32(bits, 16);
+    __m512i bias = _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+    __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+    __mmask16 is_nan = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(0x7f800000));
+    __m512i halves = _mm512_mask_or_epi32(rounded, is_nan, high, _mm512_set1_epi32(0x40)); /* quiet NaN */
+    return _mm512_cvtepi32_epi16(halves);
+}
+
 ZO_AVX512 static void store16_out(void *out, int dtype, int64_t i, __m512 w) {
-    if (dtype == ZO_F16) {
-        _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm512_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT));
-    } else if (dtype == ZO_BF16) {
-        __m512i bits = _mm512_castps_si512(w), high = _mm512_srli_epi32(bits, 16);
-        __m512i bias = _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
-        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
-        __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
-        __mmask16 is_nan = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(0x7f800000));
-        __m512i halves = _mm512_mask_or_epi32(rounded, is_nan, high, _mm512_set1_epi32(0x40)); /* quiet NaN */
-        _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm512_cvtepi32_epi16(halves));
-    } else {
-        _mm512_storeu_ps((float *)out + i, w);
-    }
+    if (dtype == ZO_F32) _mm512_storeu_ps((float *)out + i, w);
+    else _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), half_bits16(dtype, w));
+}
+
+/* store16_out, or a streaming store where `streams` (streams_out). */
+ZO_AVX512 ZO_INLINE void put16_out(void *out, int dtype, int64_t i, __m512 w, int streams) {
+    if (streams) _mm256_stream_si256((__m256i *)((uint16_t *)out + i), half_bits16(dtype, w));
+    else store16_out(out, dtype, i, w);
 }
 
 ZO_AVX512 static void adam_avx512(const zo_adam_args *a, int64_t begin, int64_t end) {
@@ -268,7 +311,7 @@ ZO_AVX512 static void adam_avx512(const zo_adam_args *a, int64_t begin, int64_t 
     const __m512 step_size = _mm512_set1_ps(a->step_size);
     const __m512 bc2_sqrt = _mm512_set1_ps(a->bias_correction2_sqrt);
     const __m512 wd = _mm512_set1_ps(a->weight_decay), decay = _mm512_set1_ps(a->decay);
-    const int decays = a->weight_decay != 0.0f;
+    const int decays = a->weight_decay != 0.0f, streams = streams_out(a, begin, 32);
     int64_t i = begin;
     for (; i + 16 <= end; i += 16) {
         __m512 w = _mm512_loadu_ps(a->param + i);
@@ -285,7 +328,7 @@ ZO_AVX512 static void adam_avx512(const zo_adam_args *a, int64_t begin, int64_t 
         _mm512_storeu_ps(a->exp_avg + i, m);
         _mm512_storeu_ps(a->exp_avg_sq + i, v);
         _mm512_storeu_ps(a->param + i, w);
-        if (a->out != NULL) store16_out(a->out, a->out_dtype, i, w);
+        if (a->out != NULL) put16_out(a->out, a->out_dtype, i, w, streams);
     }
     adam_avx2(a, i, end); /* up to 15 left: 8 at a time, then the scalar tail */
 }
@@ -294,7 +337,9 @@ static int cpu_has_avx2(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
-static int cpu_has_avx512(void) { return cpu_has_avx2() && __builtin_cpu_supports("avx512f"); }
+static int cpu_has_avx512(void) {
+    return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+}
 #else
 static void adam_avx2(const zo_adam_args *a, int64_t begin, int64_t end) { adam_scalar(a, begin, end); }
 static float squares_avx2(const zo_adam_args *a, int64_t begin, int64_t end) { return squares_scalar(a, begin, end); }
@@ -322,7 +367,8 @@ static int cpu_has_avx512(void) { return 0; }
  * 127 instead. The new scale is the block's new largest value, known only once the whole block is updated, so
  * an int8 block takes two passes: the first decodes, updates the weights (read and written once, as in fp32)
  * and keeps the new m and sqrt(v) in a scratch of 2 x 8 KB while it tracks their largest; the second codes the
- * scratch. The scratch stays in the L1 cache: memory still sees each byte once.
+ * scratch. The scratch stays in the L1 cache: memory still sees each byte once. But memory sees nothing while
+ * the second pass runs, so the first asks for the next block ahead of time (fetch_next_block).
  *
  * The scalar loop (narrow_scalar) does all this block by block through fp32 scratch, in the simplest order:
  * it does tuning/state_precision.py's operations bit for bit, and the vector loops are tested against that
@@ -343,11 +389,12 @@ static void to_bf16_scalar(const float *src, uint16_t *dst, int64_t n) {
 
 /* codes (int8_t when is_signed, else uint8_t codes of sqrt v) -> fp32 m (v) */
 static void dequantize_scalar(const void *codes, int is_signed, float scale, float *dst, int64_t n) {
+    const float unit = (is_signed ? ZO_M_STEP : ZO_V_STEP) * scale; /* what one code stands for, in fp32 */
     for (int64_t i = 0; i < n; i++) {
         if (is_signed) {
-            dst[i] = (float)((const int8_t *)codes)[i] * ZO_M_STEP * scale;
+            dst[i] = (float)((const int8_t *)codes)[i] * unit;
         } else {
-            float root = (float)((const uint8_t *)codes)[i] * ZO_V_STEP * scale;
+            float root = (float)((const uint8_t *)codes)[i] * unit;
             dst[i] = root * root;
         }
     }
@@ -505,6 +552,7 @@ ZO_AVX2 static void bf16_avx2(const zo_adam_args *a, int64_t begin, int64_t end)
     void *out = a->out;
     const int grad_dtype = a->grad_dtype, out_dtype = a->out_dtype;
     uint16_t *m16 = (uint16_t *)a->exp_avg_packed, *v16 = (uint16_t *)a->exp_avg_sq_packed;
+    const int streams = streams_out(a, begin, 16);
     int64_t i = begin;
     for (; i + 8 <= end; i += 8) {
         __m256 m = load8_grad(m16, ZO_BF16, i), v = load8_grad(v16, ZO_BF16, i), root;
@@ -513,36 +561,42 @@ ZO_AVX2 static void bf16_avx2(const zo_adam_args *a, int64_t begin, int64_t end)
         store8_out(m16, ZO_BF16, i, m);
         store8_out(v16, ZO_BF16, i, v);
         _mm256_storeu_ps(param + i, w);
-        if (out != NULL) store8_out(out, out_dtype, i, w);
+        if (out != NULL) put8_out(out, out_dtype, i, w, streams);
     }
     narrow_scalar(a, i, end); /* fewer than 8 left */
 }
 
 /* An int8 block's first pass, 8 at a time from element k of the block at `first` while 8 remain: decode
- * (code x step x scale, sqrt(v) squared: dequantize_scalar's products), update, write w (and out) for good, and
- * m and sqrt(v) into the scratch, tracking the largest of each. Returns the first element it did not do. */
-ZO_AVX2 static int64_t int8_pass_avx2(const zo_adam_args *a, const zo_hyper8 *hyper, int64_t first, int64_t k,
-                                      int64_t n, float *m_new, float *root_new, float *m_max, float *root_max) {
+ * (code x unit, sqrt(v) squared: dequantize_scalar's products), update, write w (and out) for good, and m and
+ * sqrt(v) into the scratch, tracking the largest of each, while the next block's bytes are fetched. Returns the
+ * first element it did not do. */
+ZO_AVX2 ZO_INLINE int64_t int8_pass8(const zo_adam_args *a, const zo_hyper8 *hyper, int64_t first, int64_t k,
+                                     int64_t n, float *m_new, float *root_new, float *m_max, float *root_max,
+                                     const int grad_dtype) {
     const zo_hyper8 h = *hyper;
     /* In locals: the stores through float pointers could otherwise alias *a, and every field be read again */
     float *param = a->param;
     const void *grad = a->grad;
     void *out = a->out;
-    const int grad_dtype = a->grad_dtype, out_dtype = a->out_dtype;
+    const int out_dtype = a->out_dtype;
     const int8_t *m_codes = (const int8_t *)a->exp_avg_packed + first;
     const uint8_t *v_codes = (const uint8_t *)a->exp_avg_sq_packed + first;
     const int64_t index = first / ZO_STATE_BLOCK;
-    const __m256 m_step = _mm256_set1_ps(ZO_M_STEP), v_step = _mm256_set1_ps(ZO_V_STEP);
-    const __m256 m_scale = _mm256_set1_ps(a->exp_avg_scale[index]);
-    const __m256 v_scale = _mm256_set1_ps(a->exp_avg_sq_scale[index]);
+    const __m256 m_unit = _mm256_set1_ps(ZO_M_STEP * a->exp_avg_scale[index]); /* dequantize_scalar's units */
+    const __m256 v_unit = _mm256_set1_ps(ZO_V_STEP * a->exp_avg_sq_scale[index]);
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const int grad_size = grad_dtype == ZO_F32 ? 4 : 2, streams = streams_out(a, first + k, 16);
     __m256 m_top = _mm256_setzero_ps(), root_top = _mm256_setzero_ps();
     for (; k + 8 <= n; k += 8) {
         const int64_t i = first + k;
+        fetch_next_block(param, i, 4);
+        fetch_next_block(grad, i, grad_size);
+        fetch_next_block(m_codes, k, 1);
+        fetch_next_block(v_codes, k, 1);
         __m256i m8 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(m_codes + k)));
         __m256i v8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(v_codes + k)));
-        __m256 m = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(m8), m_step), m_scale);
-        __m256 root = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v8), v_step), v_scale);
+        __m256 m = _mm256_mul_ps(_mm256_cvtepi32_ps(m8), m_unit);
+        __m256 root = _mm256_mul_ps(_mm256_cvtepi32_ps(v8), v_unit);
         __m256 v = _mm256_mul_ps(root, root);
         __m256 w = _mm256_loadu_ps(param + i);
         w = adam8(&h, w, load8_grad(grad, grad_dtype, i), &m, &v, &root);
@@ -550,9 +604,9 @@ ZO_AVX2 static int64_t int8_pass_avx2(const zo_adam_args *a, const zo_hyper8 *hy
         _mm256_storeu_ps(root_new + k, root);
         /* max_ps gives its second operand when one is a NaN: a NaN is passed over, as absmax_scalar does */
         m_top = _mm256_max_ps(_mm256_and_ps(m, magnitude), m_top);
-        root_top = _mm256_max_ps(_mm256_and_ps(root, magnitude), root_top);
+        root_top = _mm256_max_ps(root, root_top); /* a root is >= 0 */
         _mm256_storeu_ps(param + i, w);
-        if (out != NULL) store8_out(out, out_dtype, i, w);
+        if (out != NULL) put8_out(out, out_dtype, i, w, streams);
     }
     float m_lanes[8], root_lanes[8];
     _mm256_storeu_ps(m_lanes, m_top);
@@ -562,6 +616,15 @@ ZO_AVX2 static int64_t int8_pass_avx2(const zo_adam_args *a, const zo_hyper8 *hy
         *root_max = root_lanes[j] > *root_max ? root_lanes[j] : *root_max;
     }
     return k;
+}
+
+/* int8_pass8 with the gradient's dtype a constant in each copy of the loop: checked once a block, where a
+ * check every vector cost ~4% of the step (measured in L1). */
+ZO_AVX2 static int64_t int8_pass_avx2(const zo_adam_args *a, const zo_hyper8 *hyper, int64_t first, int64_t k,
+                                      int64_t n, float *m, float *root, float *m_max, float *root_max) {
+    if (a->grad_dtype == ZO_F16) return int8_pass8(a, hyper, first, k, n, m, root, m_max, root_max, ZO_F16);
+    if (a->grad_dtype == ZO_BF16) return int8_pass8(a, hyper, first, k, n, m, root, m_max, root_max, ZO_BF16);
+    return int8_pass8(a, hyper, first, k, n, m, root, m_max, root_max, ZO_F32);
 }
 
 /* The second pass: codes of src[0, n) against `scale`, its largest |x|; returns the scale. The elements after
@@ -646,6 +709,7 @@ ZO_AVX512 static void bf16_avx512(const zo_adam_args *a, int64_t begin, int64_t 
     void *out = a->out;
     const int grad_dtype = a->grad_dtype, out_dtype = a->out_dtype;
     uint16_t *m16 = (uint16_t *)a->exp_avg_packed, *v16 = (uint16_t *)a->exp_avg_sq_packed;
+    const int streams = streams_out(a, begin, 32);
     int64_t i = begin;
     for (; i + 16 <= end; i += 16) {
         __m512 m = load16_grad(m16, ZO_BF16, i), v = load16_grad(v16, ZO_BF16, i), root;
@@ -654,42 +718,46 @@ ZO_AVX512 static void bf16_avx512(const zo_adam_args *a, int64_t begin, int64_t 
         store16_out(m16, ZO_BF16, i, m);
         store16_out(v16, ZO_BF16, i, v);
         _mm512_storeu_ps(param + i, w);
-        if (out != NULL) store16_out(out, out_dtype, i, w);
+        if (out != NULL) put16_out(out, out_dtype, i, w, streams);
     }
     bf16_avx2(a, i, end);
 }
 
-ZO_AVX512 static int64_t int8_pass_avx512(const zo_adam_args *a, const zo_hyper16 *hyper, int64_t first, int64_t k,
-                                          int64_t n, float *m_new, float *root_new, float *m_max,
-                                          float *root_max) {
+ZO_AVX512 ZO_INLINE int64_t int8_pass16(const zo_adam_args *a, const zo_hyper16 *hyper, int64_t first, int64_t k,
+                                        int64_t n, float *m_new, float *root_new, float *m_max, float *root_max,
+                                        const int grad_dtype) {
     const zo_hyper16 h = *hyper;
     /* In locals: the stores through float pointers could otherwise alias *a, and every field be read again */
     float *param = a->param;
     const void *grad = a->grad;
     void *out = a->out;
-    const int grad_dtype = a->grad_dtype, out_dtype = a->out_dtype;
+    const int out_dtype = a->out_dtype;
     const int8_t *m_codes = (const int8_t *)a->exp_avg_packed + first;
     const uint8_t *v_codes = (const uint8_t *)a->exp_avg_sq_packed + first;
     const int64_t index = first / ZO_STATE_BLOCK;
-    const __m512 m_step = _mm512_set1_ps(ZO_M_STEP), v_step = _mm512_set1_ps(ZO_V_STEP);
-    const __m512 m_scale = _mm512_set1_ps(a->exp_avg_scale[index]);
-    const __m512 v_scale = _mm512_set1_ps(a->exp_avg_sq_scale[index]);
+    const __m512 m_unit = _mm512_set1_ps(ZO_M_STEP * a->exp_avg_scale[index]); /* dequantize_scalar's units */
+    const __m512 v_unit = _mm512_set1_ps(ZO_V_STEP * a->exp_avg_sq_scale[index]);
+    const int grad_size = grad_dtype == ZO_F32 ? 4 : 2, streams = streams_out(a, first + k, 32);
     __m512 m_top = _mm512_setzero_ps(), root_top = _mm512_setzero_ps();
     for (; k + 16 <= n; k += 16) {
         const int64_t i = first + k;
+        fetch_next_block(param, i, 4);
+        fetch_next_block(grad, i, grad_size);
+        fetch_next_block(m_codes, k, 1);
+        fetch_next_block(v_codes, k, 1);
         __m512i m8 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(m_codes + k)));
         __m512i v8 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(v_codes + k)));
-        __m512 m = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(m8), m_step), m_scale);
-        __m512 root = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v8), v_step), v_scale);
+        __m512 m = _mm512_mul_ps(_mm512_cvtepi32_ps(m8), m_unit);
+        __m512 root = _mm512_mul_ps(_mm512_cvtepi32_ps(v8), v_unit);
         __m512 v = _mm512_mul_ps(root, root);
         __m512 w = _mm512_loadu_ps(param + i);
         w = adam16(&h, w, load16_grad(grad, grad_dtype, i), &m, &v, &root);
         _mm512_storeu_ps(m_new + k, m);
         _mm512_storeu_ps(root_new + k, root);
         m_top = _mm512_max_ps(_mm512_abs_ps(m), m_top); /* a NaN is passed over, as in the AVX2 loop */
-        root_top = _mm512_max_ps(_mm512_abs_ps(root), root_top);
+        root_top = _mm512_max_ps(root, root_top); /* a root is >= 0 */
         _mm512_storeu_ps(param + i, w);
-        if (out != NULL) store16_out(out, out_dtype, i, w);
+        if (out != NULL) put16_out(out, out_dtype, i, w, streams);
     }
     float m_lanes[16], root_lanes[16];
     _mm512_storeu_ps(m_lanes, m_top);
@@ -701,22 +769,43 @@ ZO_AVX512 static int64_t int8_pass_avx512(const zo_adam_args *a, const zo_hyper1
     return k;
 }
 
+/* int8_pass16 with the gradient's dtype a constant in each copy of the loop: checked once a block, where a
+ * check every vector cost ~4% of the step (measured in L1). */
+ZO_AVX512 static int64_t int8_pass_avx512(const zo_adam_args *a, const zo_hyper16 *hyper, int64_t first, int64_t k,
+                                          int64_t n, float *m, float *root, float *m_max, float *root_max) {
+    if (a->grad_dtype == ZO_F16) return int8_pass16(a, hyper, first, k, n, m, root, m_max, root_max, ZO_F16);
+    if (a->grad_dtype == ZO_BF16) return int8_pass16(a, hyper, first, k, n, m, root, m_max, root_max, ZO_BF16);
+    return int8_pass16(a, hyper, first, k, n, m, root, m_max, root_max, ZO_F32);
+}
+
+/* encode_avx2 on 64 floats at a time: four vectors of codes in 32-bit lanes are narrowed by two saturating packs
+ * (32 -> 16 -> 8 bits, which needs AVX-512BW) and one permute that undoes the packs' interleaving of the 128-bit
+ * lanes, where vpmovsdb would narrow each vector on its own at twice the cost. The saturation also stands for
+ * the clamp to the top code: a code past it would need |x| > scale. What is left of the clamp is a NaN's: cvtps
+ * turns it into INT32_MIN, which the unsigned pack saturates to 0 (code_of's `low`) but the signed one to -128,
+ * so m's codes keep the max against -127. */
 ZO_AVX512 static float encode_avx512(const float *src, int is_signed, float scale, void *codes, int64_t n) {
     if (scale == 0.0f) {
         zero_codes(codes, n);
         return 0.0f;
     }
     const float times = (is_signed ? 127.0f : 255.0f) / scale;
-    const __m512 by = _mm512_set1_ps(times), top = _mm512_set1_ps(is_signed ? 127.0f : 255.0f);
-    const __m512 low = _mm512_set1_ps(is_signed ? -127.0f : 0.0f);
+    const __m512 by = _mm512_set1_ps(times), low = _mm512_set1_ps(is_signed ? -127.0f : 0.0f);
+    /* after the packs, 32-bit lane 4j + t holds codes 4j .. 4j + 3 of vector t: put it at 4t + j */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     int64_t i = 0;
-    for (; !isinf(times) && i + 16 <= n; i += 16) {
-        __m512 r = _mm512_mul_ps(_mm512_loadu_ps(src + i), by);
-        __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, low), top)); /* rounds as in AVX2 */
-        __m128i q8 = is_signed ? _mm512_cvtsepi32_epi8(q) : _mm512_cvtusepi32_epi8(q);
-        _mm_storeu_si128((__m128i *)((uint8_t *)codes + i), q8);
+    for (; !isinf(times) && i + 64 <= n; i += 64) {
+        __m512i q[4];
+        for (int t = 0; t < 4; t++) { /* cvtps rounds to nearest even, as code_of does */
+            __m512 r = _mm512_mul_ps(_mm512_loadu_ps(src + i + 16 * t), by);
+            q[t] = _mm512_cvtps_epi32(is_signed ? _mm512_max_ps(r, low) : r);
+        }
+        __m512i bytes;
+        if (is_signed) bytes = _mm512_packs_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3]));
+        else bytes = _mm512_packus_epi16(_mm512_packus_epi32(q[0], q[1]), _mm512_packus_epi32(q[2], q[3]));
+        _mm512_storeu_si512((uint8_t *)codes + i, _mm512_permutexvar_epi32(order, bytes));
     }
-    codes_scalar(src, is_signed, scale, codes, i, n);
+    codes_scalar(src, is_signed, scale, codes, i, n); /* the last < 64, or a block where times overflows */
     return scale;
 }
 
@@ -761,11 +850,20 @@ typedef struct {
     int64_t begin, end;
 } zo_chunk;
 
+/* After a loop's streaming stores (streams_out): they are weakly ordered, and the sfence makes them visible
+ * before the thread reports its chunk done. Elsewhere nothing streams. */
+static void drain_streams(void) {
+#if defined(__x86_64__) || defined(_M_X64)
+    _mm_sfence();
+#endif
+}
+
 static void *run_chunk(void *p) {
     zo_chunk *c = (zo_chunk *)p;
     const zo_adam_args *a = c->args;
     if (c->squares == NULL) {
         c->kernel(a, c->begin, c->end);
+        drain_streams();
         return NULL;
     }
     /* Row by row: its update, then its squares, which find the row's gradient (16 KB of fp32) still in the L1
@@ -775,6 +873,7 @@ static void *run_chunk(void *p) {
         c->kernel(a, row, end);
         a->row_squares[row / ZO_NORM_ROW] = c->squares(a, row, end);
     }
+    drain_streams();
     return NULL;
 }
 
