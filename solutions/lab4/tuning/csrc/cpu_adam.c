@@ -638,7 +638,21 @@ ZO_AVX2 static float encode_avx2(const float *src, int is_signed, float scale, v
     const float times = (is_signed ? 127.0f : 255.0f) / scale;
     const __m256 by = _mm256_set1_ps(times), top = _mm256_set1_ps(is_signed ? 127.0f : 255.0f);
     const __m256 low = _mm256_set1_ps(is_signed ? -127.0f : 0.0f);
+    /* 32 at a time, as encode_avx512 does 64 (see there): after the packs, 32-bit lane 4h + t holds codes
+     * 4h .. 4h + 3 of vector t, h the 128-bit half; the permute puts it at 2t + h */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     int64_t i = 0;
+    for (; !isinf(times) && i + 32 <= n; i += 32) {
+        __m256i q[4];
+        for (int t = 0; t < 4; t++) {
+            __m256 r = _mm256_mul_ps(_mm256_loadu_ps(src + i + 8 * t), by);
+            q[t] = _mm256_cvtps_epi32(is_signed ? _mm256_max_ps(r, low) : r);
+        }
+        __m256i bytes;
+        if (is_signed) bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        else bytes = _mm256_packus_epi16(_mm256_packus_epi32(q[0], q[1]), _mm256_packus_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)((uint8_t *)codes + i), _mm256_permutevar8x32_epi32(bytes, order));
+    }
     for (; !isinf(times) && i + 8 <= n; i += 8) {
         __m256 r = _mm256_mul_ps(_mm256_loadu_ps(src + i), by);
         /* clamped first (a NaN becomes `low`), then converted: cvtps rounds to nearest even, as code_of does */
