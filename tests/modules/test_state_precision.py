@@ -245,6 +245,33 @@ def test_denormal_moments_and_gradients(variant, precision):
     assert float(new_v.max()) < 1.18e-38, "v left the subnormals: the test would not test them"
 
 
+@pytest.mark.parametrize("precision", ("fp32", *NARROW))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_rounded_copy_lands_whole_streamed_or_not(variant, precision):
+    # The vector loops write the 16-bit copy with streaming stores where its first element is aligned to the
+    # store (32 bytes for AVX-512, 16 for AVX2), with plain stores elsewhere. Offsets of 0, 1, 8 and 16 elements
+    # into a larger buffer take both ways; on 2 threads each thread's chunk streams (or not) on its own. Every
+    # element must be the new weight rounded, and nothing outside the view may be written.
+    n = 2**17 + 37
+    param, grad, m, v = _random(n, seed=11, grad_dtype=torch.float16)
+    state = sp.encode_moments(m, v, precision)
+    sentinel = -7.0
+    for dtype in (torch.float16, torch.bfloat16):
+        for offset in (0, 1, 8, 16):
+            buffer = torch.full((n + offset + 5,), sentinel, dtype=dtype)
+            out = buffer[offset : offset + n]
+            new_param, new_state = param.clone(), {name: t.clone() for name, t in state.items()}
+            cpu_adam_update(
+                new_param, grad, new_state["exp_avg"], new_state["exp_avg_sq"],
+                exp_avg_scale=new_state.get("exp_avg_scale"), exp_avg_sq_scale=new_state.get("exp_avg_sq_scale"),
+                step=1, variant=variant, threads=2, out=out, **HYPER,
+            )  # fmt: skip
+            what = f"{variant}, {precision} moments, {dtype} copy at offset {offset}"
+            assert torch.equal(out, new_param.to(dtype)), f"{what}: the copy is not the new weights rounded"
+            outside = torch.cat([buffer[:offset], buffer[offset + n :]])
+            assert bool((outside == sentinel).all()), f"{what}: an element outside the copy was written"
+
+
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "scalar"])
 def test_nan_and_inf_gradients_code_as_the_scalar_loop_does(variant):
     # The engine refuses a step whose gradients hold a NaN or an Inf before the kernel sees them. Called
