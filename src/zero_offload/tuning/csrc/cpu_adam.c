@@ -148,10 +148,12 @@ static int streams_out(const zo_adam_args *a, int64_t i, int bytes) {
 }
 
 /* An int8 block's second pass (encoding its codes) works in L1 and reads no memory, and the hardware
- * prefetcher, which follows the loads, goes quiet with it. So the first pass asks for the bytes one block
- * ahead itself, into L2 (element i + ZO_STATE_BLOCK of `array`, elements of `size` bytes): they arrive while
- * this block is being encoded. One prefetch a vector and array, even where it asks for a line already asked
- * for: in L1, the test that would skip it cost more than the prefetch. */
+ * prefetcher, which follows the loads, goes quiet with it: memory would idle for a fifth of the step. So the
+ * loops ask for the next block's bytes themselves, into L2, spread over both passes in proportion to their
+ * time: the first pass asks for the weights and gradients (12 of the 16 KB a block reads with fp16 gradients),
+ * the second for the codes (4 KB), each encode loop the next block's codes of the moment it encodes. This is
+ * element i + ZO_STATE_BLOCK of `array` (elements of `size` bytes): one prefetch a vector, even where it asks
+ * for a line already asked for; in L1 the test that would skip it cost more than the prefetch. */
 ZO_INLINE void fetch_next_block(const void *array, int64_t i, int size) {
     _mm_prefetch((const char *)array + (i + ZO_STATE_BLOCK) * size, _MM_HINT_T1);
 }
@@ -591,8 +593,6 @@ ZO_AVX2 ZO_INLINE int64_t int8_pass8(const zo_adam_args *a, const zo_hyper8 *hyp
         const int64_t i = first + k;
         fetch_next_block(param, i, 4);
         fetch_next_block(grad, i, grad_size);
-        fetch_next_block(m_codes, k, 1);
-        fetch_next_block(v_codes, k, 1);
         __m256i m8 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(m_codes + k)));
         __m256i v8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(v_codes + k)));
         __m256 m = _mm256_mul_ps(_mm256_cvtepi32_ps(m8), m_unit);
@@ -644,13 +644,15 @@ ZO_AVX2 static float encode_avx2(const float *src, int is_signed, float scale, v
     int64_t i = 0;
     for (; !isinf(times) && i + 32 <= n; i += 32) {
         __m256i q[4];
-        for (int t = 0; t < 4; t++) {
-            __m256 r = _mm256_mul_ps(_mm256_loadu_ps(src + i + 8 * t), by);
-            q[t] = _mm256_cvtps_epi32(is_signed ? _mm256_max_ps(r, low) : r);
-        }
+        fetch_next_block(codes, i, 1); /* the next block's codes of this moment */
+        for (int t = 0; t < 4; t++) q[t] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + i + 8 * t), by));
         __m256i bytes;
-        if (is_signed) bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        else bytes = _mm256_packus_epi16(_mm256_packus_epi32(q[0], q[1]), _mm256_packus_epi32(q[2], q[3]));
+        if (is_signed) {
+            bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            bytes = _mm256_max_epi8(bytes, _mm256_set1_epi8(-127)); /* a NaN's -128 -> -127 */
+        } else {
+            bytes = _mm256_packus_epi16(_mm256_packus_epi32(q[0], q[1]), _mm256_packus_epi32(q[2], q[3]));
+        }
         _mm256_storeu_si256((__m256i *)((uint8_t *)codes + i), _mm256_permutevar8x32_epi32(bytes, order));
     }
     for (; !isinf(times) && i + 8 <= n; i += 8) {
@@ -757,8 +759,6 @@ ZO_AVX512 ZO_INLINE int64_t int8_pass16(const zo_adam_args *a, const zo_hyper16 
         const int64_t i = first + k;
         fetch_next_block(param, i, 4);
         fetch_next_block(grad, i, grad_size);
-        fetch_next_block(m_codes, k, 1);
-        fetch_next_block(v_codes, k, 1);
         __m512i m8 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(m_codes + k)));
         __m512i v8 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(v_codes + k)));
         __m512 m = _mm512_mul_ps(_mm512_cvtepi32_ps(m8), m_unit);
@@ -796,27 +796,31 @@ ZO_AVX512 static int64_t int8_pass_avx512(const zo_adam_args *a, const zo_hyper1
  * (32 -> 16 -> 8 bits, which needs AVX-512BW) and one permute that undoes the packs' interleaving of the 128-bit
  * lanes, where vpmovsdb would narrow each vector on its own at twice the cost. The saturation also stands for
  * the clamp to the top code: a code past it would need |x| > scale. What is left of the clamp is a NaN's: cvtps
- * turns it into INT32_MIN, which the unsigned pack saturates to 0 (code_of's `low`) but the signed one to -128,
- * so m's codes keep the max against -127. */
+ * turns it into INT32_MIN, which the unsigned packs saturate to 0 (code_of's `low`) but the signed ones to
+ * -128, so m's 64 codes then take one byte max against -127. */
 ZO_AVX512 static float encode_avx512(const float *src, int is_signed, float scale, void *codes, int64_t n) {
     if (scale == 0.0f) {
         zero_codes(codes, n);
         return 0.0f;
     }
     const float times = (is_signed ? 127.0f : 255.0f) / scale;
-    const __m512 by = _mm512_set1_ps(times), low = _mm512_set1_ps(is_signed ? -127.0f : 0.0f);
+    const __m512 by = _mm512_set1_ps(times);
+    const __m512i lowest = _mm512_set1_epi8(-127);
     /* after the packs, 32-bit lane 4j + t holds codes 4j .. 4j + 3 of vector t: put it at 4t + j */
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     int64_t i = 0;
     for (; !isinf(times) && i + 64 <= n; i += 64) {
         __m512i q[4];
-        for (int t = 0; t < 4; t++) { /* cvtps rounds to nearest even, as code_of does */
-            __m512 r = _mm512_mul_ps(_mm512_loadu_ps(src + i + 16 * t), by);
-            q[t] = _mm512_cvtps_epi32(is_signed ? _mm512_max_ps(r, low) : r);
-        }
+        fetch_next_block(codes, i, 1); /* the next block's codes of this moment */
+        for (int t = 0; t < 4; t++) /* cvtps rounds to nearest even, as code_of does */
+            q[t] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + i + 16 * t), by));
         __m512i bytes;
-        if (is_signed) bytes = _mm512_packs_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3]));
-        else bytes = _mm512_packus_epi16(_mm512_packus_epi32(q[0], q[1]), _mm512_packus_epi32(q[2], q[3]));
+        if (is_signed) {
+            bytes = _mm512_packs_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3]));
+            bytes = _mm512_max_epi8(bytes, lowest); /* a NaN's -128 -> -127 */
+        } else {
+            bytes = _mm512_packus_epi16(_mm512_packus_epi32(q[0], q[1]), _mm512_packus_epi32(q[2], q[3]));
+        }
         _mm512_storeu_si512((uint8_t *)codes + i, _mm512_permutexvar_epi32(order, bytes));
     }
     codes_scalar(src, is_signed, scale, codes, i, n); /* the last < 64, or a block where times overflows */
