@@ -10,10 +10,10 @@
  * Each element is read once and written once: 4 (w) + 2..4 (g) + 4 (m) + 4 (v) read, 4 + 4 + 4 + 2 written.
  *
  * Variants: a portable scalar loop, and on x86-64 an AVX2 + FMA + F16C loop (8 floats a step) and an AVX-512
- * loop (16 floats a step; AVX-512F and BW, which every AVX-512 CPU since 2017 has), chosen at run time by what the CPU reports. Per-function target attributes keep the
- * rest of the file portable: no -march=native, so one build runs on any x86-64 and on ARM (scalar only). The
- * scalar loop is the reference the vector loops are tested against; it is compiled with -ffp-contract=off so
- * no FMA sneaks into it.
+ * loop (16 floats a step; AVX-512F and BW, which every AVX-512 CPU since 2017 has), chosen at run time by what
+ * the CPU reports. Per-function target attributes keep the rest of the file portable: no -march=native, so one
+ * build runs on any x86-64 and on ARM (scalar only). The scalar loop is the reference the vector loops are
+ * tested against; it is compiled with -ffp-contract=off so no FMA sneaks into it.
  *
  * The update moves 28 bytes a parameter (fp32 gradients) and does ~15 flops on them: far below what a core
  * computes in the time memory delivers 28 bytes, so every variant ends at the memory bandwidth. What the vector
@@ -27,7 +27,7 @@
 #include "cpu_adam.h"
 
 /* Inlined even where the compiler would not: small helpers of the vector loops, and loop bodies specialised by
- * a constant argument (GCC 12 left a prefetch helper out of line and dropped its prefetches). */
+ * a constant argument. (Without it, GCC 12 compiled the prefetches of fetch_next_block away.) */
 #define ZO_INLINE static inline __attribute__((always_inline))
 
 /* Lab 4's stubs call ZO_LAB_NOT_IMPLEMENTED("Lab 4.x: ..."): the update then reports the missing task to
@@ -369,8 +369,8 @@ static int cpu_has_avx512(void) { return 0; }
  * 127 instead. The new scale is the block's new largest value, known only once the whole block is updated, so
  * an int8 block takes two passes: the first decodes, updates the weights (read and written once, as in fp32)
  * and keeps the new m and sqrt(v) in a scratch of 2 x 8 KB while it tracks their largest; the second codes the
- * scratch. The scratch stays in the L1 cache: memory still sees each byte once. But memory sees nothing while
- * the second pass runs, so the first asks for the next block ahead of time (fetch_next_block).
+ * scratch. The scratch stays in the L1 cache: memory still sees each byte once. But the second pass reads no
+ * memory, so both passes ask for the next block's bytes ahead of time (fetch_next_block).
  *
  * The scalar loop (narrow_scalar) does all this block by block through fp32 scratch, in the simplest order:
  * it does tuning/state_precision.py's operations bit for bit, and the vector loops are tested against that
