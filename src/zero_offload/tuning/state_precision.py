@@ -99,12 +99,13 @@ def quantize_blocks(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.
 
 
 def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:
-    """(codes, scales) -> fp32: code x unit, where a block's unit = (1 / top) x its scale, one fp32 product
-    a block (what one code stands for), then one a code: the kernel's products."""
+    """(codes, scales) -> fp32: code x (1 / top) x its block's scale, the kernel's two fp32 products in its order:
+    top x (1 / top) is exactly 1 in fp32, so the top code decodes to the scale itself and a block decoded and
+    encoded again keeps its scale and codes bit for bit."""
     # Rounded once in fp32, as the C constant is.
     step = torch.tensor(1.0) / (M_TOP if signed else V_TOP)
-    unit = (step * scales).repeat_interleave(BLOCK)[: codes.numel()]
-    return codes.to(torch.float32) * unit
+    per_element = scales.repeat_interleave(BLOCK)[: codes.numel()]
+    return codes.to(torch.float32) * step * per_element
 
 
 def encode_moments(m: torch.Tensor, v: torch.Tensor, precision: str) -> dict[str, torch.Tensor]:

@@ -390,13 +390,15 @@ static void to_bf16_scalar(const float *src, uint16_t *dst, int64_t n) {
 }
 
 /* codes (int8_t when is_signed, else uint8_t codes of sqrt v) -> fp32 m (v) */
+/* code x step x scale, in that order: the top code's product 127 x (1 / 127) (255 x (1 / 255)) is exactly 1 in
+ * fp32, so it decodes to the scale itself, and a block decoded and encoded again keeps its scale and codes bit
+ * for bit (a checkpoint loaded into another layout does that). code x (step x scale) would drift by an ulp. */
 static void dequantize_scalar(const void *codes, int is_signed, float scale, float *dst, int64_t n) {
-    const float unit = (is_signed ? ZO_M_STEP : ZO_V_STEP) * scale; /* what one code stands for, in fp32 */
     for (int64_t i = 0; i < n; i++) {
         if (is_signed) {
-            dst[i] = (float)((const int8_t *)codes)[i] * unit;
+            dst[i] = (float)((const int8_t *)codes)[i] * ZO_M_STEP * scale;
         } else {
-            float root = (float)((const uint8_t *)codes)[i] * unit;
+            float root = (float)((const uint8_t *)codes)[i] * ZO_V_STEP * scale;
             dst[i] = root * root;
         }
     }
@@ -569,7 +571,7 @@ ZO_AVX2 static void bf16_avx2(const zo_adam_args *a, int64_t begin, int64_t end)
 }
 
 /* An int8 block's first pass, 8 at a time from element k of the block at `first` while 8 remain: decode
- * (code x unit, sqrt(v) squared: dequantize_scalar's products), update, write w (and out) for good, and m and
+ * (code x step x scale, sqrt(v) squared: dequantize_scalar's products), update, write w (and out) for good, and m and
  * sqrt(v) into the scratch, tracking the largest of each, while the next block's bytes are fetched. Returns the
  * first element it did not do. */
 ZO_AVX2 ZO_INLINE int64_t int8_pass8(const zo_adam_args *a, const zo_hyper8 *hyper, int64_t first, int64_t k,
@@ -584,8 +586,9 @@ ZO_AVX2 ZO_INLINE int64_t int8_pass8(const zo_adam_args *a, const zo_hyper8 *hyp
     const int8_t *m_codes = (const int8_t *)a->exp_avg_packed + first;
     const uint8_t *v_codes = (const uint8_t *)a->exp_avg_sq_packed + first;
     const int64_t index = first / ZO_STATE_BLOCK;
-    const __m256 m_unit = _mm256_set1_ps(ZO_M_STEP * a->exp_avg_scale[index]); /* dequantize_scalar's units */
-    const __m256 v_unit = _mm256_set1_ps(ZO_V_STEP * a->exp_avg_sq_scale[index]);
+    const __m256 m_step = _mm256_set1_ps(ZO_M_STEP), v_step = _mm256_set1_ps(ZO_V_STEP);
+    const __m256 m_scale = _mm256_set1_ps(a->exp_avg_scale[index]);
+    const __m256 v_scale = _mm256_set1_ps(a->exp_avg_sq_scale[index]);
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const int grad_size = grad_dtype == ZO_F32 ? 4 : 2, streams = streams_out(a, first + k, 16);
     __m256 m_top = _mm256_setzero_ps(), root_top = _mm256_setzero_ps();
@@ -595,8 +598,8 @@ ZO_AVX2 ZO_INLINE int64_t int8_pass8(const zo_adam_args *a, const zo_hyper8 *hyp
         fetch_next_block(grad, i, grad_size);
         __m256i m8 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(m_codes + k)));
         __m256i v8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(v_codes + k)));
-        __m256 m = _mm256_mul_ps(_mm256_cvtepi32_ps(m8), m_unit);
-        __m256 root = _mm256_mul_ps(_mm256_cvtepi32_ps(v8), v_unit);
+        __m256 m = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(m8), m_step), m_scale);
+        __m256 root = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v8), v_step), v_scale);
         __m256 v = _mm256_mul_ps(root, root);
         __m256 w = _mm256_loadu_ps(param + i);
         w = adam8(&h, w, load8_grad(grad, grad_dtype, i), &m, &v, &root);
@@ -751,8 +754,9 @@ ZO_AVX512 ZO_INLINE int64_t int8_pass16(const zo_adam_args *a, const zo_hyper16 
     const int8_t *m_codes = (const int8_t *)a->exp_avg_packed + first;
     const uint8_t *v_codes = (const uint8_t *)a->exp_avg_sq_packed + first;
     const int64_t index = first / ZO_STATE_BLOCK;
-    const __m512 m_unit = _mm512_set1_ps(ZO_M_STEP * a->exp_avg_scale[index]); /* dequantize_scalar's units */
-    const __m512 v_unit = _mm512_set1_ps(ZO_V_STEP * a->exp_avg_sq_scale[index]);
+    const __m512 m_step = _mm512_set1_ps(ZO_M_STEP), v_step = _mm512_set1_ps(ZO_V_STEP);
+    const __m512 m_scale = _mm512_set1_ps(a->exp_avg_scale[index]);
+    const __m512 v_scale = _mm512_set1_ps(a->exp_avg_sq_scale[index]);
     const int grad_size = grad_dtype == ZO_F32 ? 4 : 2, streams = streams_out(a, first + k, 32);
     __m512 m_top = _mm512_setzero_ps(), root_top = _mm512_setzero_ps();
     for (; k + 16 <= n; k += 16) {
@@ -761,8 +765,8 @@ ZO_AVX512 ZO_INLINE int64_t int8_pass16(const zo_adam_args *a, const zo_hyper16 
         fetch_next_block(grad, i, grad_size);
         __m512i m8 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(m_codes + k)));
         __m512i v8 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(v_codes + k)));
-        __m512 m = _mm512_mul_ps(_mm512_cvtepi32_ps(m8), m_unit);
-        __m512 root = _mm512_mul_ps(_mm512_cvtepi32_ps(v8), v_unit);
+        __m512 m = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(m8), m_step), m_scale);
+        __m512 root = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v8), v_step), v_scale);
         __m512 v = _mm512_mul_ps(root, root);
         __m512 w = _mm512_loadu_ps(param + i);
         w = adam16(&h, w, load16_grad(grad, grad_dtype, i), &m, &v, &root);
