@@ -183,7 +183,9 @@ def main() -> int:
     """`make build`: compile ahead of time and say where the library is."""
     module = build()
     variants = module.lib.zo_cpu_variants()
-    names = [n for bit, n in ((0, "scalar"), (1, "avx2+fma+f16c"), (2, "avx512f+bw")) if variants & (1 << bit)]
+    names = [
+        n for bit, n in ((0, "scalar"), (1, "avx2+fma+f16c"), (2, "avx512f+bw")) if variants & (1 << bit)
+    ]
     print(f"built {module.__file__}; variants this CPU runs: {', '.join(names)}")
     return 0
 
