@@ -147,13 +147,13 @@ static int streams_out(const zo_adam_args *a, int64_t i, int bytes) {
     return a->out != NULL && a->out_dtype != ZO_F32 && (uintptr_t)((uint16_t *)a->out + i) % bytes == 0;
 }
 
-/* An int8 block's second pass (encoding its codes) works in L1 and reads no memory, and the hardware
- * prefetcher, which follows the loads, goes quiet with it: memory would idle for a fifth of the step. So the
- * loops ask for the next block's bytes themselves, into L2, spread over both passes in proportion to their
- * time: the first pass asks for the weights and gradients (12 of the 16 KB a block reads with fp16 gradients),
- * the second for the codes (4 KB), each encode loop the next block's codes of the moment it encodes. This is
- * element i + ZO_STATE_BLOCK of `array` (elements of `size` bytes): one prefetch a vector, even where it asks
- * for a line already asked for; in L1 the test that would skip it cost more than the prefetch. */
+/* An int8 block's second pass (encoding its codes) works in L1 and reads no memory, and the hardware prefetcher,
+ * which follows the loads, goes quiet with it: memory would idle while it runs. So the loops ask for the next
+ * block's bytes themselves, into L2, spread over both passes in proportion to their time: the first pass asks for
+ * the weights and gradients (12 of the 16 KB a block reads with fp16 gradients), the second for the codes (4 KB),
+ * each encode loop the next block's codes of the moment it encodes. This is element i + ZO_STATE_BLOCK of `array`
+ * (elements of `size` bytes): one prefetch a vector, even where it asks for a line already asked for; in L1 the test
+ * that would skip it cost more than the prefetch. */
 ZO_INLINE void fetch_next_block(const void *array, int64_t i, int size) {
     _mm_prefetch((const char *)array + (i + ZO_STATE_BLOCK) * size, _MM_HINT_T1);
 }
@@ -797,11 +797,11 @@ ZO_AVX512 static int64_t int8_pass_avx512(const zo_adam_args *a, const zo_hyper1
 }
 
 /* encode_avx2 on 64 floats at a time: four vectors of codes in 32-bit lanes are narrowed by two saturating packs
- * (32 -> 16 -> 8 bits, which needs AVX-512BW) and one permute that undoes the packs' interleaving of the 128-bit
- * lanes, where vpmovsdb would narrow each vector on its own at twice the cost. The saturation also stands for
- * the clamp to the top code: a code past it would need |x| > scale. What is left of the clamp is a NaN's: cvtps
- * turns it into INT32_MIN, which the unsigned packs saturate to 0 (code_of's `low`) but the signed ones to
- * -128, so m's 64 codes then take one byte max against -127. */
+ * (32 -> 16 -> 8 bits, which needs AVX-512BW) and one permute that undoes the packs' interleaving of the 128-bit lanes,
+ * where vpmovsdb (two micro-ops on common x86 cores) would narrow each vector on its own. The saturation also stands
+ * for the clamp to the top code: a code past it would need |x| > scale. What is left of the clamp is a NaN's: cvtps
+ * turns it into INT32_MIN, which the unsigned packs saturate to 0 (code_of's `low`) but the signed ones to -128, so
+ * m's 64 codes then take one byte max against -127. */
 ZO_AVX512 static float encode_avx512(const float *src, int is_signed, float scale, void *codes, int64_t n) {
     if (scale == 0.0f) {
         zero_codes(codes, n);
