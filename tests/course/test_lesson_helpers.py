@@ -113,6 +113,10 @@ def test_call_overhead_and_contention_return_numbers():
     medians = contention.measure(((1, 1),), rounds=1)
     assert set(medians[1, 1]) == {"mm alone", "adam alone", "mm busy", "adam busy"}
     assert "work done together" in tuning_threads.format_contention(medians, 4096, cores=2)
+    assert medians[1, 1]["mm alone"] > 0, "alone, the matmul loop is timed until it has done one"
+    # A loop that did nothing alone (a window too short on a busy machine) gives no share, not a crash.
+    idle = {(1, 1): {"mm alone": 0.0, "adam alone": 1.0, "mm busy": 0.0, "adam busy": 1.0}}
+    assert "nan" in tuning_threads.format_contention(idle, 4096, cores=2)
 
 
 # Lesson 4: partial offload, the model, the advice

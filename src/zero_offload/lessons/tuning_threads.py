@@ -6,6 +6,7 @@ slows every case alike instead of one of them.
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -127,6 +128,10 @@ class Contention:
         time.sleep(0.05)  # let the loop get going
         count0, started = counter[0], time.perf_counter()
         ms = self.adam_ms(adam_threads) if adam_threads else time.sleep(self.seconds)
+        # Alone, the loop is timed until it has done at least one matmul: on a busy machine a short window can
+        # end before the thread ran at all, and a rate of 0 alone would say nothing. Together, 0 is an answer.
+        while not adam_threads and counter[0] == count0 and time.perf_counter() - started < 10:
+            time.sleep(0.001)
         rate = (counter[0] - count0) / (time.perf_counter() - started)
         stop.set()
         worker.join()
@@ -147,6 +152,11 @@ class Contention:
         return {pair: {k: statistics.median(v) for k, v in r.items()} for pair, r in results.items()}
 
 
+def _share(together: float, alone: float) -> float:
+    """together / alone; NaN (printed "nan") where the loop did nothing alone, which no share can be taken of."""
+    return together / alone if alone > 0 else math.nan
+
+
 def format_contention(medians: dict, n: int, cores: int) -> str:
     lines = [
         f"C Adam over {n:,} parameters (fp16 in, fp16 out) and torch.mm 256 x 256 in a loop, {cores} cores\n",
@@ -156,7 +166,7 @@ def format_contention(medians: dict, n: int, cores: int) -> str:
     for (torch_threads, adam_threads), med in medians.items():
         # Each side's speed together as a share of its speed alone, added up: 2.0 if they never got in each
         # other's way.
-        work = med["adam alone"] / med["adam busy"] + med["mm busy"] / med["mm alone"]
+        work = med["adam alone"] / med["adam busy"] + _share(med["mm busy"], med["mm alone"])
         lines.append(
             f"{torch_threads:>13}{adam_threads:>13}{torch_threads + adam_threads:>5}"
             f"{med['adam alone']:>15.2f}{med['adam busy']:>10.2f}{med['mm alone']:>17,.0f}"
