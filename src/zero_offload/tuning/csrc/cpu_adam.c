@@ -389,10 +389,10 @@ static void to_bf16_scalar(const float *src, uint16_t *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = float_to_bf16(src[i]);
 }
 
-/* codes (int8_t when is_signed, else uint8_t codes of sqrt v) -> fp32 m (v) */
-/* code x step x scale, in that order: the top code's product 127 x (1 / 127) (255 x (1 / 255)) is exactly 1 in
- * fp32, so it decodes to the scale itself, and a block decoded and encoded again keeps its scale and codes bit
- * for bit (a checkpoint loaded into another layout does that). code x (step x scale) would drift by an ulp. */
+/* codes (int8_t when is_signed, else uint8_t codes of sqrt v) -> fp32 m (v), as code x step x scale in that
+ * order: the top code's product 127 x (1 / 127) (255 x (1 / 255)) is exactly 1 in fp32, so it decodes to the
+ * scale itself, and a block decoded and encoded again keeps its scale and codes bit for bit (a checkpoint
+ * loaded into another layout does that). code x (step x scale) would drift by an ulp. */
 static void dequantize_scalar(const void *codes, int is_signed, float scale, float *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         if (is_signed) {
@@ -872,8 +872,8 @@ typedef struct {
     int64_t begin, end;
 } zo_chunk;
 
-/* After a loop's streaming stores (streams_out): they are weakly ordered, and the sfence makes them visible
- * before the thread reports its chunk done. Elsewhere nothing streams. */
+/* After a loop's streaming stores (streams_out, and the memory floor's): they are weakly ordered, and the sfence
+ * makes them visible before the thread reports its chunk done. Elsewhere nothing streams. */
 static void drain_streams(void) {
 #if defined(__x86_64__) || defined(_M_X64)
     _mm_sfence();
@@ -885,15 +885,14 @@ static void *run_chunk(void *p) {
     const zo_adam_args *a = c->args;
     if (c->squares == NULL) {
         c->kernel(a, c->begin, c->end);
-        drain_streams();
-        return NULL;
-    }
-    /* Row by row: its update, then its squares, which find the row's gradient (16 KB of fp32) still in the L1
-     * cache. The other way round the squares would wait for memory alone, with no other stream in flight. */
-    for (int64_t row = c->begin; row < c->end; row += ZO_NORM_ROW) {
-        int64_t end = row + ZO_NORM_ROW < c->end ? row + ZO_NORM_ROW : c->end;
-        c->kernel(a, row, end);
-        a->row_squares[row / ZO_NORM_ROW] = c->squares(a, row, end);
+    } else {
+        /* Row by row: its update, then its squares, which find the row's gradient (16 KB of fp32) still in the
+         * L1 cache. The other way round the squares would wait for memory alone, with no other stream in flight. */
+        for (int64_t row = c->begin; row < c->end; row += ZO_NORM_ROW) {
+            int64_t end = row + ZO_NORM_ROW < c->end ? row + ZO_NORM_ROW : c->end;
+            c->kernel(a, row, end);
+            a->row_squares[row / ZO_NORM_ROW] = c->squares(a, row, end);
+        }
     }
     drain_streams();
     return NULL;
@@ -1042,7 +1041,6 @@ ZO_AVX2 static void floor_avx2(const zo_adam_args *a, int64_t begin, int64_t end
             }
         }
     }
-    if (nontemporal) _mm_sfence(); /* streaming stores are weakly ordered: done before the threads join */
     uint8_t lanes[32], folded = 0;
     _mm256_storeu_si256((__m256i *)lanes, seen);
     for (int j = 0; j < 32; j++) folded ^= lanes[j];
