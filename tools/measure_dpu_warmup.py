@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from zero_offload.cli.bench.cpu import machine
+    from zero_offload.cli.bench.run import write_measured
 
     if args.quick:
         jobs = [(start, 0, 30) for start in (None, 10)]
@@ -137,11 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summarize(runs),
         "runs": runs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    args.out.with_suffix(".txt").write_text(printed(result))
-    print(printed(result), end="")
-    print(f"wrote {args.out} and {args.out.with_suffix('.txt')}", file=sys.stderr)
+    json_file, text_file = write_measured(args.out, result, printed(result))
+    print(f"wrote {json_file} and {text_file}", file=sys.stderr)
     return 0
 
 

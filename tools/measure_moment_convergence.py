@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from zero_offload.cli.bench.cpu import machine
+    from zero_offload.cli.bench.run import write_measured
 
     seeds = SEEDS[:1] if args.quick else SEEDS
     jobs = [(w, p, s, 40 if args.quick else n) for w, n in STEPS.items() for s in seeds for p in PRECISIONS]
@@ -177,13 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summarize(runs),
         "runs": runs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    args.out.with_suffix(".txt").write_text(printed(result))
-    print(printed(result), end="")
-    print(
-        f"wrote {args.out}, {args.out.with_suffix('.txt')} and {plot(result, args.figure)}", file=sys.stderr
-    )
+    json_file, text_file = write_measured(args.out, result, printed(result))
+    print(f"wrote {json_file}, {text_file} and {plot(result, args.figure)}", file=sys.stderr)
     return 0
 
 

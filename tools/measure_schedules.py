@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from zero_offload.cli.bench.cpu import machine
+from zero_offload.cli.bench.run import write_measured
 from zero_offload.cli.bench.schedules import compare_schedules
 from zero_offload.cli.bench.training import print_schedules
 
@@ -71,10 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     result = measure()
     slug = re.sub(r"[^a-z0-9]+", "-", result["machine"]["cpu"].lower()).strip("-")
     out = args.out or REPO / "course" / "measured" / f"bench-schedules-{slug}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".txt").write_text(printed(result))
-    print(printed(result), end="")
-    print(f"wrote {out} and {out.with_suffix('.txt')}", file=sys.stderr)
+    json_file, text_file = write_measured(out, result, printed(result))
+    print(f"wrote {json_file} and {text_file}", file=sys.stderr)
     return 0
 
 

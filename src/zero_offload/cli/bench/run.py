@@ -25,6 +25,16 @@ from .timing import wait_until_quiet
 from .training import module5_bench, offload_overhead, print_offload_overhead
 
 
+def write_measured(out: Path, result: dict, text: str) -> tuple[Path, Path]:
+    """A measurement tool's output (tools/measure_*.py): `result` as the .json `out`, its printed form `text`
+    beside it as .txt, and `text` on standard output. Returns the two paths."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".txt").write_text(text)
+    print(text, end="")
+    return out, out.with_suffix(".txt")
+
+
 def run_bench(
     out_dir: str | Path = "out/bench",
     *,
