@@ -492,40 +492,80 @@ static void int8_tail_scalar(const zo_adam_args *a, int64_t first, int64_t k, in
     *root_max = root_largest > *root_max ? root_largest : *root_max;
 }
 
+/* The constants an int8 block's vector first pass multiplies its codes by (int8_pass8): beta1 x step x scale for
+ * m, sqrt(beta2) x step x scale for sqrt(v). Returns whether both are 0 or normal. A subnormal one has lost bits
+ * (a thousandth of itself where the moments are ~1e-40), so such a block goes to the scalar loop, whose decode
+ * rounds each product on its own, as the encode leaves it a block where 127 / scale overflows. */
+static inline int int8_decode_constants(const zo_adam_args *a, int64_t index, float *m_factor, float *root_step) {
+    *m_factor = a->beta1 * (ZO_M_STEP * a->exp_avg_scale[index]);
+    *root_step = sqrtf(a->beta2) * (ZO_V_STEP * a->exp_avg_sq_scale[index]);
+    return (*m_factor == 0.0f || isnormal(*m_factor)) && (*root_step == 0.0f || isnormal(*root_step));
+}
+
+/* The weights of the new gradient in m and v for the vector narrow loops. Where it is safe they take grad_scale s
+ * in, (1 - beta1) s and (1 - beta2) s^2, and the gradient is not scaled first: one multiply a vector fewer.
+ * Safe means: no L2 decay (it adds wd x w to the scaled gradient); fp16 gradients, whose squares stay finite
+ * (65504^2) where a bf16 or fp32 gradient's square might not before scaling; and both weights normal fp32
+ * numbers. Returns whether it folded; otherwise the weights are 1 - beta1 and 1 - beta2. */
+static int gradient_weights(const zo_adam_args *a, float *m_weight, float *v_weight) {
+    const double s = a->grad_scale;
+    *m_weight = (float)(a->one_minus_beta1 * s);
+    *v_weight = (float)(a->one_minus_beta2 * s * s);
+    const int l2 = a->weight_decay != 0.0f && !a->adamw;
+    if (!l2 && a->grad_dtype == ZO_F16 && isnormal(*m_weight) && isnormal(*v_weight)) return 1;
+    *m_weight = a->one_minus_beta1;
+    *v_weight = a->one_minus_beta2;
+    return 0;
+}
+
 #if defined(__x86_64__) || defined(_M_X64)
-/* adam_avx2's arithmetic on 8 elements, for the loops that load and store the moments in another format, less
- * one division: sqrt(v) / sqrt(bias_correction2) becomes sqrt(v) x (1 / sqrt(bias_correction2)) in one FMA.
- * A vector division costs as much as the rest of the update on some CPUs (a Zen 3 core does one in ~5 cycles),
- * and once the moments are narrow it is what stands between the loop and memory. The denominator may then differ
- * by an ulp from the scalar loop's, which moves w by ~1e-7 of its step; m and v are the same operations as
- * adam_avx2's, so their codes are too. Returns the new w, updates *m and *v, and leaves sqrt(v) in *root: the
- * denominator needs it anyway, and v's int8 code is a code of it. */
+/* adam_avx2's arithmetic on 8 elements, for the loops that load and store the moments in another format, with
+ * fewer operations a vector. Once the moments are narrow, memory waits on these loops' arithmetic, above all on
+ * a single core, and a vector division costs as much as the rest of the update on some CPUs (a Zen 3 core does
+ * one in ~5 cycles). So:
+ *  - step_size x m / (sqrt(v) / sqrt(bc2) + eps) is computed as step_bc x m / (sqrt(v) + eps_bc), with
+ *    step_bc = step_size x sqrt(bc2) and eps_bc = eps x sqrt(bc2) once a step: one division and one addition.
+ *    The quotient may differ by an ulp from the scalar loop's, which moves w by ~1e-7 of its step.
+ *  - the gradient's weights in m and v may hold grad_scale (gradient_weights).
+ *  - the old m and v come as products: m_factor x *m and v_factor x *v. bf16 moments pass beta1 and beta2, and
+ *    their m and v are then adam_avx2's operations (so are their codes, unless the weights hold grad_scale).
+ *    int8_pass8 passes its codes and the block's constants instead.
+ * Returns the new w, updates *m and *v, and leaves sqrt(v) in *root: the denominator needs it anyway, and v's
+ * int8 code is a code of it. */
 typedef struct {
-    __m256 beta1, beta2, one_minus_beta1, one_minus_beta2, scale, eps, step_size, inv_bc2_sqrt, wd, decay;
-    int decays, adamw;
+    __m256 beta1, beta2, m_weight, v_weight, scale, eps_bc, step_bc, wd, decay;
+    int scales_gradient, decays, adamw;
 } zo_hyper8;
 
 ZO_AVX2 static zo_hyper8 hyper8(const zo_adam_args *a) {
-    return (zo_hyper8){_mm256_set1_ps(a->beta1),        _mm256_set1_ps(a->beta2),
-                       _mm256_set1_ps(a->one_minus_beta1), _mm256_set1_ps(a->one_minus_beta2),
-                       _mm256_set1_ps(a->grad_scale),   _mm256_set1_ps(a->eps),
-                       _mm256_set1_ps(a->step_size),    _mm256_set1_ps(1.0f / a->bias_correction2_sqrt),
-                       _mm256_set1_ps(a->weight_decay), _mm256_set1_ps(a->decay),
-                       a->weight_decay != 0.0f, a->adamw};
+    float m_weight, v_weight;
+    const int folded = gradient_weights(a, &m_weight, &v_weight);
+    return (zo_hyper8){_mm256_set1_ps(a->beta1),
+                       _mm256_set1_ps(a->beta2),
+                       _mm256_set1_ps(m_weight),
+                       _mm256_set1_ps(v_weight),
+                       _mm256_set1_ps(a->grad_scale),
+                       _mm256_set1_ps(a->eps * a->bias_correction2_sqrt),
+                       _mm256_set1_ps(a->step_size * a->bias_correction2_sqrt),
+                       _mm256_set1_ps(a->weight_decay),
+                       _mm256_set1_ps(a->decay),
+                       !folded,
+                       a->weight_decay != 0.0f,
+                       a->adamw};
 }
 
-ZO_AVX2 static inline __m256 adam8(const zo_hyper8 *h, __m256 w, __m256 g, __m256 *m,
+ZO_AVX2 static inline __m256 adam8(const zo_hyper8 *h, __m256 w, __m256 g, __m256 m_factor, __m256 v_factor, __m256 *m,
                                    __m256 *v, __m256 *root) {
-    g = _mm256_mul_ps(g, h->scale);
+    if (h->scales_gradient) g = _mm256_mul_ps(g, h->scale); /* else the weights below hold the scale */
     if (h->decays) {
         if (h->adamw) w = _mm256_mul_ps(w, h->decay);
         else g = _mm256_fmadd_ps(h->wd, w, g);
     }
-    *m = _mm256_fmadd_ps(h->beta1, *m, _mm256_mul_ps(h->one_minus_beta1, g));
-    *v = _mm256_fmadd_ps(h->beta2, *v, _mm256_mul_ps(h->one_minus_beta2, _mm256_mul_ps(g, g)));
+    *m = _mm256_fmadd_ps(m_factor, *m, _mm256_mul_ps(h->m_weight, g));
+    *v = _mm256_fmadd_ps(v_factor, *v, _mm256_mul_ps(h->v_weight, _mm256_mul_ps(g, g)));
     *root = _mm256_sqrt_ps(*v);
-    __m256 denom = _mm256_fmadd_ps(*root, h->inv_bc2_sqrt, h->eps);
-    return _mm256_fnmadd_ps(h->step_size, _mm256_div_ps(*m, denom), w);
+    __m256 denom = _mm256_add_ps(*root, h->eps_bc);
+    return _mm256_fnmadd_ps(h->step_bc, _mm256_div_ps(*m, denom), w);
 }
 
 /* bf16 moments in one pass: load8_grad and store8_out read and write bf16 whatever the array holds. */
@@ -542,7 +582,7 @@ ZO_AVX2 static void bf16_avx2(const zo_adam_args *a, int64_t begin, int64_t end)
     for (; i + 8 <= end; i += 8) {
         __m256 m = load8_grad(m16, ZO_BF16, i), v = load8_grad(v16, ZO_BF16, i), root;
         __m256 w = _mm256_loadu_ps(param + i);
-        w = adam8(&h, w, load8_grad(grad, grad_dtype, i), &m, &v, &root);
+        w = adam8(&h, w, load8_grad(grad, grad_dtype, i), h.beta1, h.beta2, &m, &v, &root);
         store8_out(m16, ZO_BF16, i, m);
         store8_out(v16, ZO_BF16, i, v);
         _mm256_storeu_ps(param + i, w);
@@ -551,10 +591,16 @@ ZO_AVX2 static void bf16_avx2(const zo_adam_args *a, int64_t begin, int64_t end)
     narrow_scalar(a, i, end); /* fewer than 8 left */
 }
 
-/* An int8 block's first pass, 8 at a time from element k of the block at `first` while 8 remain: decode
- * (code x step x scale, sqrt(v) squared: dequantize_scalar's products), update, write w (and out) for good, and m and
- * sqrt(v) into the scratch, tracking the largest of each, while the next block's bytes are fetched. Returns the
- * first element it did not do. */
+/* An int8 block's first pass, 8 at a time from element k of the block at `first` while 8 remain: decode, update,
+ * write w (and out) for good, and m and sqrt(v) into the scratch, tracking the largest of each, while the next
+ * block's bytes are fetched. Returns the first element it did not do.
+ * The decode is folded into the update, with the block's constants multiplied once (int8_decode_constants):
+ * beta1 x m is (beta1 x step x scale) x code, inside adam8's FMA; beta2 x v is r x r inside the same FMA, with
+ * r = code x (sqrt(beta2) x step x scale). Decoding as dequantize_scalar does takes five multiplies a vector
+ * before those FMAs (two for m, three for v), the fold one: this loop's arithmetic is what memory waits on. The old moments may then differ from
+ * dequantize_scalar's by an ulp or two, far below a code; the tests allow the vector loops one code. A block
+ * decoded and encoded without an update (a checkpoint changing layout) goes through dequantize_scalar, whose
+ * order keeps it bit for bit. */
 ZO_AVX2 ZO_INLINE int64_t int8_pass8(const zo_adam_args *a, const zo_hyper8 *hyper, int64_t first, int64_t k,
                                      int64_t n, float *m_new, float *root_new, float *m_max, float *root_max,
                                      const int grad_dtype) {
@@ -567,9 +613,9 @@ ZO_AVX2 ZO_INLINE int64_t int8_pass8(const zo_adam_args *a, const zo_hyper8 *hyp
     const int8_t *m_codes = (const int8_t *)a->exp_avg_packed + first;
     const uint8_t *v_codes = (const uint8_t *)a->exp_avg_sq_packed + first;
     const int64_t index = first / ZO_STATE_BLOCK;
-    const __m256 m_step = _mm256_set1_ps(ZO_M_STEP), v_step = _mm256_set1_ps(ZO_V_STEP);
-    const __m256 m_scale = _mm256_set1_ps(a->exp_avg_scale[index]);
-    const __m256 v_scale = _mm256_set1_ps(a->exp_avg_sq_scale[index]);
+    float m_factor1, root_step1;
+    int8_decode_constants(a, index, &m_factor1, &root_step1);
+    const __m256 m_factor = _mm256_set1_ps(m_factor1), root_step = _mm256_set1_ps(root_step1);
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const int grad_size = grad_dtype == ZO_F32 ? 4 : 2, streams = streams_out(a, first + k, 16);
     __m256 m_top = _mm256_setzero_ps(), root_top = _mm256_setzero_ps();
@@ -579,11 +625,10 @@ ZO_AVX2 ZO_INLINE int64_t int8_pass8(const zo_adam_args *a, const zo_hyper8 *hyp
         fetch_next_block(grad, i, grad_size);
         __m256i m8 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(m_codes + k)));
         __m256i v8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(v_codes + k)));
-        __m256 m = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(m8), m_step), m_scale);
-        __m256 root = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v8), v_step), v_scale);
-        __m256 v = _mm256_mul_ps(root, root);
+        __m256 m = _mm256_cvtepi32_ps(m8); /* m_factor does the rest */
+        __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(v8), root_step), v = r, root; /* r x r = beta2 x v */
         __m256 w = _mm256_loadu_ps(param + i);
-        w = adam8(&h, w, load8_grad(grad, grad_dtype, i), &m, &v, &root);
+        w = adam8(&h, w, load8_grad(grad, grad_dtype, i), m_factor, r, &m, &v, &root);
         _mm256_storeu_ps(m_new + k, m);
         _mm256_storeu_ps(root_new + k, root);
         /* max_ps gives its second operand when one is a NaN: a NaN is passed over, as absmax_scalar does */
@@ -658,8 +703,10 @@ ZO_AVX2 static void int8_avx2(const zo_adam_args *a, int64_t begin, int64_t end)
     /* Thread chunks start on a block (run_threads), so each block is coded whole by one thread. */
     for (int64_t first = begin; first < end; first += ZO_STATE_BLOCK) {
         const int64_t index = first / ZO_STATE_BLOCK, n = end - first < ZO_STATE_BLOCK ? end - first : ZO_STATE_BLOCK;
-        float m_max = 0.0f, root_max = 0.0f;
-        int64_t k = int8_pass_avx2(a, &h, first, 0, n, m, root, &m_max, &root_max);
+        float m_max = 0.0f, root_max = 0.0f, m_factor, root_step;
+        int64_t k = 0;
+        if (int8_decode_constants(a, index, &m_factor, &root_step))
+            k = int8_pass_avx2(a, &h, first, 0, n, m, root, &m_max, &root_max);
         int8_tail_scalar(a, first, k, n, m, root, &m_max, &root_max);
         a->exp_avg_scale[index] = encode_avx2(m, 1, m_max, (int8_t *)a->exp_avg_packed + first, n);
         a->exp_avg_sq_scale[index] = encode_avx2(root, 0, root_max, (uint8_t *)a->exp_avg_sq_packed + first, n);
@@ -674,31 +721,39 @@ static void narrow_avx2(const zo_adam_args *a, int64_t begin, int64_t end) {
 /* The same loops on 16 floats; what is left after the last 16 goes to the 8-wide loops, then to the scalar
  * ones, as adam_avx512 leaves it to adam_avx2. */
 typedef struct {
-    __m512 beta1, beta2, one_minus_beta1, one_minus_beta2, scale, eps, step_size, inv_bc2_sqrt, wd, decay;
-    int decays, adamw;
+    __m512 beta1, beta2, m_weight, v_weight, scale, eps_bc, step_bc, wd, decay;
+    int scales_gradient, decays, adamw;
 } zo_hyper16;
 
 ZO_AVX512 static zo_hyper16 hyper16(const zo_adam_args *a) {
-    return (zo_hyper16){_mm512_set1_ps(a->beta1),        _mm512_set1_ps(a->beta2),
-                        _mm512_set1_ps(a->one_minus_beta1), _mm512_set1_ps(a->one_minus_beta2),
-                        _mm512_set1_ps(a->grad_scale),   _mm512_set1_ps(a->eps),
-                        _mm512_set1_ps(a->step_size),    _mm512_set1_ps(1.0f / a->bias_correction2_sqrt),
-                        _mm512_set1_ps(a->weight_decay), _mm512_set1_ps(a->decay),
-                        a->weight_decay != 0.0f, a->adamw};
+    float m_weight, v_weight;
+    const int folded = gradient_weights(a, &m_weight, &v_weight);
+    return (zo_hyper16){_mm512_set1_ps(a->beta1),
+                        _mm512_set1_ps(a->beta2),
+                        _mm512_set1_ps(m_weight),
+                        _mm512_set1_ps(v_weight),
+                        _mm512_set1_ps(a->grad_scale),
+                        _mm512_set1_ps(a->eps * a->bias_correction2_sqrt),
+                        _mm512_set1_ps(a->step_size * a->bias_correction2_sqrt),
+                        _mm512_set1_ps(a->weight_decay),
+                        _mm512_set1_ps(a->decay),
+                        !folded,
+                        a->weight_decay != 0.0f,
+                        a->adamw};
 }
 
-ZO_AVX512 static inline __m512 adam16(const zo_hyper16 *h, __m512 w, __m512 g, __m512 *m,
+ZO_AVX512 static inline __m512 adam16(const zo_hyper16 *h, __m512 w, __m512 g, __m512 m_factor, __m512 v_factor, __m512 *m,
                                       __m512 *v, __m512 *root) {
-    g = _mm512_mul_ps(g, h->scale);
+    if (h->scales_gradient) g = _mm512_mul_ps(g, h->scale); /* else the weights below hold the scale */
     if (h->decays) {
         if (h->adamw) w = _mm512_mul_ps(w, h->decay);
         else g = _mm512_fmadd_ps(h->wd, w, g);
     }
-    *m = _mm512_fmadd_ps(h->beta1, *m, _mm512_mul_ps(h->one_minus_beta1, g));
-    *v = _mm512_fmadd_ps(h->beta2, *v, _mm512_mul_ps(h->one_minus_beta2, _mm512_mul_ps(g, g)));
+    *m = _mm512_fmadd_ps(m_factor, *m, _mm512_mul_ps(h->m_weight, g));
+    *v = _mm512_fmadd_ps(v_factor, *v, _mm512_mul_ps(h->v_weight, _mm512_mul_ps(g, g)));
     *root = _mm512_sqrt_ps(*v);
-    __m512 denom = _mm512_fmadd_ps(*root, h->inv_bc2_sqrt, h->eps);
-    return _mm512_fnmadd_ps(h->step_size, _mm512_div_ps(*m, denom), w);
+    __m512 denom = _mm512_add_ps(*root, h->eps_bc);
+    return _mm512_fnmadd_ps(h->step_bc, _mm512_div_ps(*m, denom), w);
 }
 
 ZO_AVX512 static void bf16_avx512(const zo_adam_args *a, int64_t begin, int64_t end) {
@@ -714,7 +769,7 @@ ZO_AVX512 static void bf16_avx512(const zo_adam_args *a, int64_t begin, int64_t 
     for (; i + 16 <= end; i += 16) {
         __m512 m = load16_grad(m16, ZO_BF16, i), v = load16_grad(v16, ZO_BF16, i), root;
         __m512 w = _mm512_loadu_ps(param + i);
-        w = adam16(&h, w, load16_grad(grad, grad_dtype, i), &m, &v, &root);
+        w = adam16(&h, w, load16_grad(grad, grad_dtype, i), h.beta1, h.beta2, &m, &v, &root);
         store16_out(m16, ZO_BF16, i, m);
         store16_out(v16, ZO_BF16, i, v);
         _mm512_storeu_ps(param + i, w);
@@ -735,9 +790,9 @@ ZO_AVX512 ZO_INLINE int64_t int8_pass16(const zo_adam_args *a, const zo_hyper16 
     const int8_t *m_codes = (const int8_t *)a->exp_avg_packed + first;
     const uint8_t *v_codes = (const uint8_t *)a->exp_avg_sq_packed + first;
     const int64_t index = first / ZO_STATE_BLOCK;
-    const __m512 m_step = _mm512_set1_ps(ZO_M_STEP), v_step = _mm512_set1_ps(ZO_V_STEP);
-    const __m512 m_scale = _mm512_set1_ps(a->exp_avg_scale[index]);
-    const __m512 v_scale = _mm512_set1_ps(a->exp_avg_sq_scale[index]);
+    float m_factor1, root_step1;
+    int8_decode_constants(a, index, &m_factor1, &root_step1);
+    const __m512 m_factor = _mm512_set1_ps(m_factor1), root_step = _mm512_set1_ps(root_step1);
     const int grad_size = grad_dtype == ZO_F32 ? 4 : 2, streams = streams_out(a, first + k, 32);
     __m512 m_top = _mm512_setzero_ps(), root_top = _mm512_setzero_ps();
     for (; k + 16 <= n; k += 16) {
@@ -746,11 +801,10 @@ ZO_AVX512 ZO_INLINE int64_t int8_pass16(const zo_adam_args *a, const zo_hyper16 
         fetch_next_block(grad, i, grad_size);
         __m512i m8 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(m_codes + k)));
         __m512i v8 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(v_codes + k)));
-        __m512 m = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(m8), m_step), m_scale);
-        __m512 root = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v8), v_step), v_scale);
-        __m512 v = _mm512_mul_ps(root, root);
+        __m512 m = _mm512_cvtepi32_ps(m8); /* m_factor does the rest */
+        __m512 r = _mm512_mul_ps(_mm512_cvtepi32_ps(v8), root_step), v = r, root; /* r x r = beta2 x v */
         __m512 w = _mm512_loadu_ps(param + i);
-        w = adam16(&h, w, load16_grad(grad, grad_dtype, i), &m, &v, &root);
+        w = adam16(&h, w, load16_grad(grad, grad_dtype, i), m_factor, r, &m, &v, &root);
         _mm512_storeu_ps(m_new + k, m);
         _mm512_storeu_ps(root_new + k, root);
         m_top = _mm512_max_ps(_mm512_abs_ps(m), m_top); /* a NaN is passed over, as in the AVX2 loop */
@@ -818,9 +872,12 @@ ZO_AVX512 static void int8_avx512(const zo_adam_args *a, int64_t begin, int64_t 
     const zo_hyper8 h8 = hyper8(a);
     for (int64_t first = begin; first < end; first += ZO_STATE_BLOCK) {
         const int64_t index = first / ZO_STATE_BLOCK, n = end - first < ZO_STATE_BLOCK ? end - first : ZO_STATE_BLOCK;
-        float m_max = 0.0f, root_max = 0.0f;
-        int64_t k = int8_pass_avx512(a, &h, first, 0, n, m, root, &m_max, &root_max);
-        k = int8_pass_avx2(a, &h8, first, k, n, m, root, &m_max, &root_max);
+        float m_max = 0.0f, root_max = 0.0f, m_factor, root_step;
+        int64_t k = 0;
+        if (int8_decode_constants(a, index, &m_factor, &root_step)) { /* else the scalar loop does it all */
+            k = int8_pass_avx512(a, &h, first, 0, n, m, root, &m_max, &root_max);
+            k = int8_pass_avx2(a, &h8, first, k, n, m, root, &m_max, &root_max);
+        }
         int8_tail_scalar(a, first, k, n, m, root, &m_max, &root_max);
         a->exp_avg_scale[index] = encode_avx512(m, 1, m_max, (int8_t *)a->exp_avg_packed + first, n);
         a->exp_avg_sq_scale[index] = encode_avx512(root, 0, root_max, (uint8_t *)a->exp_avg_sq_packed + first, n);
