@@ -1,11 +1,11 @@
 """The C Adam with its moments in bf16 or 8 bits, against the readable torch reference (tuning/state_precision.py).
 
 The scalar loop does the reference's fp32 operations in the same order, so it must agree bit for bit. The vector
-loops fuse multiply-adds and multiply constants together once (cpu_adam.c, above zo_hyper8 and int8_pass8), so their
-fp32 moments differ from the reference's by an ulp, and a code may then round the other way: they must agree within
-one step of the precision (one bf16 ulp, one int8 code). Each step starts
-both from the same (the kernel's) state, so that a difference cannot grow over the steps. Skipped as a whole
-where no C compiler exists, as test_cpu_adam.py is.
+loops fuse multiply-adds and multiply constants together once (cpu_adam.c, above zo_hyper8 and int8_pass8), so
+their fp32 moments differ from the reference's by an ulp, and a code may then round the other way: they must agree
+within one step of the precision (one bf16 ulp, one int8 code). Each step starts both from the same (the kernel's)
+state, so that a difference cannot grow over the steps. Skipped as a whole where no C compiler exists, as
+test_cpu_adam.py is.
 """
 
 from __future__ import annotations
@@ -158,12 +158,12 @@ def test_a_gradient_whose_square_overflows_before_it_is_scaled(variant, precisio
     # 1e20 squared is past fp32's 3.4e38; scaled by 1e-12 first it is 1e16. The vector loops fold the scale
     # into the moments' weights only for fp16 gradients, whose squares stay finite: here they must not.
     param, grad, m, v = _random(sp.BLOCK + 40, grad_dtype=grad_dtype)
-    grad = grad * 1e20
+    grad, state = grad * 1e20, sp.encode_moments(m, v, precision)
+    hyper = dict(step=1, adamw=True, grad_scale=1e-12)
     what = f"{variant}, {precision}, {grad_dtype}"
-    _agree_over_steps(variant, precision, param, grad, m, v, what, steps=1, adamw=True, grad_scale=1e-12)
-    new_v = sp.decode_moments(_kernel_step(variant, param, grad, sp.encode_moments(m, v, precision), step=1,
-                                           adamw=True, grad_scale=1e-12)[1])[1]  # fmt: skip
-    assert bool(torch.isfinite(new_v).all()), f"{what}: v overflowed"
+    got = _kernel_step(variant, param, grad, state, **hyper)
+    _assert_agree(variant, got, _reference_step(param, grad, state, **hyper), what)
+    assert bool(torch.isfinite(sp.decode_moments(got[1])[1]).all()), f"{what}: v overflowed"
 
 
 @pytest.mark.parametrize("precision", NARROW)
@@ -315,7 +315,8 @@ def test_nan_and_inf_gradients_code_as_the_scalar_loop_does(variant):
     assert bool(want["exp_avg_scale"].isfinite()[[0, 1, 3]].all()), "a NaN reached a block's scale"
     for name in want:
         same = got[name] == want[name]
-        same |= got[name].isnan() & want[name].isnan() if got[name].is_floating_point() else same
+        if got[name].is_floating_point():
+            same |= got[name].isnan() & want[name].isnan()
         assert bool(same.all()), f"{name} differs from the scalar loop's at {int((~same).sum())} elements"
 
 

@@ -515,10 +515,15 @@ static void int8_tail_scalar(const zo_adam_args *a, int64_t first, int64_t k, in
  * m, sqrt(beta2) x step x scale for sqrt(v). Returns whether both are 0 or normal. A subnormal one has lost bits
  * (a thousandth of itself where the moments are ~1e-40), so such a block goes to the scalar loop, whose decode
  * rounds each product on its own, as the encode leaves it a block where 127 / scale overflows. */
-static inline int int8_decode_constants(const zo_adam_args *a, int64_t index, float *m_factor, float *root_step) {
-    *m_factor = a->beta1 * (ZO_M_STEP * a->exp_avg_scale[index]);
-    *root_step = sqrtf(a->beta2) * (ZO_V_STEP * a->exp_avg_sq_scale[index]);
-    return (*m_factor == 0.0f || isnormal(*m_factor)) && (*root_step == 0.0f || isnormal(*root_step));
+typedef struct {
+    float m_factor, root_step;
+} zo_block_decode;
+
+static inline int int8_decode_constants(const zo_adam_args *a, int64_t index, zo_block_decode *decode) {
+    const float m_factor = a->beta1 * (ZO_M_STEP * a->exp_avg_scale[index]);
+    const float root_step = sqrtf(a->beta2) * (ZO_V_STEP * a->exp_avg_sq_scale[index]);
+    *decode = (zo_block_decode){m_factor, root_step};
+    return (m_factor == 0.0f || isnormal(m_factor)) && (root_step == 0.0f || isnormal(root_step));
 }
 
 /* The weights of the new gradient in m and v for the vector narrow loops. Where it is safe they take grad_scale s
@@ -573,8 +578,8 @@ ZO_AVX2 static zo_hyper8 hyper8(const zo_adam_args *a) {
                        a->adamw};
 }
 
-ZO_AVX2 static inline __m256 adam8(const zo_hyper8 *h, __m256 w, __m256 g, __m256 m_factor, __m256 v_factor, __m256 *m,
-                                   __m256 *v, __m256 *root) {
+ZO_AVX2 static inline __m256 adam8(const zo_hyper8 *h, __m256 w, __m256 g, __m256 m_factor, __m256 v_factor,
+                                   __m256 *m, __m256 *v, __m256 *root) {
     if (h->scales_gradient) g = _mm256_mul_ps(g, h->scale); /* else the weights below hold the scale */
     if (h->decays) {
         if (h->adamw) w = _mm256_mul_ps(w, h->decay);
@@ -613,16 +618,16 @@ ZO_AVX2 static void bf16_avx2(const zo_adam_args *a, int64_t begin, int64_t end)
 /* An int8 block's first pass, 8 at a time from element k of the block at `first` while 8 remain: decode, update,
  * write w (and out) for good, and m and sqrt(v) into the scratch, tracking the largest of each, while the next
  * block's bytes are fetched. Returns the first element it did not do.
- * The decode is folded into the update, with the block's constants multiplied once (int8_decode_constants):
- * beta1 x m is (beta1 x step x scale) x code, inside adam8's FMA; beta2 x v is r x r inside the same FMA, with
- * r = code x (sqrt(beta2) x step x scale). Decoding as dequantize_scalar does takes five multiplies a vector
- * before those FMAs (two for m, three for v), the fold one: this loop's arithmetic is what memory waits on. The old moments may then differ from
- * dequantize_scalar's by an ulp or two, far below a code; the tests allow the vector loops one code. A block
- * decoded and encoded without an update (a checkpoint changing layout) goes through dequantize_scalar, whose
- * order keeps it bit for bit. */
-ZO_AVX2 ZO_INLINE int64_t int8_pass8(const zo_adam_args *a, const zo_hyper8 *hyper, int64_t first, int64_t k,
-                                     int64_t n, float *m_new, float *root_new, float *m_max, float *root_max,
-                                     const int grad_dtype) {
+ * The decode is folded into the update, with the block's constants multiplied once (`decode`, from
+ * int8_decode_constants in the caller): beta1 x m is (beta1 x step x scale) x code, inside adam8's FMA; beta2 x v
+ * is r x r inside the same FMA, with r = code x (sqrt(beta2) x step x scale). Decoding as dequantize_scalar does
+ * takes five multiplies a vector before those FMAs (two for m, three for v), the fold one: this loop's arithmetic
+ * is what memory waits on. The old moments may then differ from dequantize_scalar's by an ulp or two, far below a
+ * code; the tests allow the vector loops one code. A block decoded and encoded without an update (a checkpoint
+ * changing layout) goes through dequantize_scalar, whose order keeps it bit for bit. */
+ZO_AVX2 ZO_INLINE int64_t int8_pass8(const zo_adam_args *a, const zo_hyper8 *hyper, const zo_block_decode *decode,
+                                     int64_t first, int64_t k, int64_t n, float *m_new, float *root_new, float *m_max,
+                                     float *root_max, const int grad_dtype) {
     const zo_hyper8 h = *hyper;
     /* In locals: the stores through float pointers could otherwise alias *a, and every field be read again */
     float *param = a->param;
@@ -631,10 +636,7 @@ ZO_AVX2 ZO_INLINE int64_t int8_pass8(const zo_adam_args *a, const zo_hyper8 *hyp
     const int out_dtype = a->out_dtype;
     const int8_t *m_codes = (const int8_t *)a->exp_avg_packed + first;
     const uint8_t *v_codes = (const uint8_t *)a->exp_avg_sq_packed + first;
-    const int64_t index = first / ZO_STATE_BLOCK;
-    float m_factor1, root_step1;
-    int8_decode_constants(a, index, &m_factor1, &root_step1);
-    const __m256 m_factor = _mm256_set1_ps(m_factor1), root_step = _mm256_set1_ps(root_step1);
+    const __m256 m_factor = _mm256_set1_ps(decode->m_factor), root_step = _mm256_set1_ps(decode->root_step);
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const int grad_size = grad_dtype == ZO_F32 ? 4 : 2, streams = streams_out(a, first + k, 16);
     __m256 m_top = _mm256_setzero_ps(), root_top = _mm256_setzero_ps();
@@ -668,11 +670,12 @@ ZO_AVX2 ZO_INLINE int64_t int8_pass8(const zo_adam_args *a, const zo_hyper8 *hyp
 
 /* int8_pass8 with the gradient's dtype a constant in each copy of the loop: checked once a block, where a
  * check every vector cost ~4% of the step (measured in L1). */
-ZO_AVX2 static int64_t int8_pass_avx2(const zo_adam_args *a, const zo_hyper8 *hyper, int64_t first, int64_t k,
-                                      int64_t n, float *m, float *root, float *m_max, float *root_max) {
-    if (a->grad_dtype == ZO_F16) return int8_pass8(a, hyper, first, k, n, m, root, m_max, root_max, ZO_F16);
-    if (a->grad_dtype == ZO_BF16) return int8_pass8(a, hyper, first, k, n, m, root, m_max, root_max, ZO_BF16);
-    return int8_pass8(a, hyper, first, k, n, m, root, m_max, root_max, ZO_F32);
+ZO_AVX2 static int64_t int8_pass_avx2(const zo_adam_args *a, const zo_hyper8 *hyper, const zo_block_decode *decode,
+                                      int64_t first, int64_t k, int64_t n, float *m, float *root, float *m_max,
+                                      float *root_max) {
+    if (a->grad_dtype == ZO_F16) return int8_pass8(a, hyper, decode, first, k, n, m, root, m_max, root_max, ZO_F16);
+    if (a->grad_dtype == ZO_BF16) return int8_pass8(a, hyper, decode, first, k, n, m, root, m_max, root_max, ZO_BF16);
+    return int8_pass8(a, hyper, decode, first, k, n, m, root, m_max, root_max, ZO_F32);
 }
 
 /* The second pass: codes of src[0, n) against `scale`, its largest |x|; returns the scale. The elements after
@@ -722,10 +725,11 @@ ZO_AVX2 static void int8_avx2(const zo_adam_args *a, int64_t begin, int64_t end)
     /* Thread chunks start on a block (run_threads), so each block is coded whole by one thread. */
     for (int64_t first = begin; first < end; first += ZO_STATE_BLOCK) {
         const int64_t index = first / ZO_STATE_BLOCK, n = end - first < ZO_STATE_BLOCK ? end - first : ZO_STATE_BLOCK;
-        float m_max = 0.0f, root_max = 0.0f, m_factor, root_step;
+        float m_max = 0.0f, root_max = 0.0f;
+        zo_block_decode decode;
         int64_t k = 0;
-        if (int8_decode_constants(a, index, &m_factor, &root_step))
-            k = int8_pass_avx2(a, &h, first, 0, n, m, root, &m_max, &root_max);
+        if (int8_decode_constants(a, index, &decode)) /* else the scalar loop does it all */
+            k = int8_pass_avx2(a, &h, &decode, first, 0, n, m, root, &m_max, &root_max);
         int8_tail_scalar(a, first, k, n, m, root, &m_max, &root_max);
         a->exp_avg_scale[index] = encode_avx2(m, 1, m_max, (int8_t *)a->exp_avg_packed + first, n);
         a->exp_avg_sq_scale[index] = encode_avx2(root, 0, root_max, (uint8_t *)a->exp_avg_sq_packed + first, n);
@@ -761,8 +765,8 @@ ZO_AVX512 static zo_hyper16 hyper16(const zo_adam_args *a) {
                         a->adamw};
 }
 
-ZO_AVX512 static inline __m512 adam16(const zo_hyper16 *h, __m512 w, __m512 g, __m512 m_factor, __m512 v_factor, __m512 *m,
-                                      __m512 *v, __m512 *root) {
+ZO_AVX512 static inline __m512 adam16(const zo_hyper16 *h, __m512 w, __m512 g, __m512 m_factor, __m512 v_factor,
+                                      __m512 *m, __m512 *v, __m512 *root) {
     if (h->scales_gradient) g = _mm512_mul_ps(g, h->scale); /* else the weights below hold the scale */
     if (h->decays) {
         if (h->adamw) w = _mm512_mul_ps(w, h->decay);
@@ -797,8 +801,9 @@ ZO_AVX512 static void bf16_avx512(const zo_adam_args *a, int64_t begin, int64_t 
     bf16_avx2(a, i, end);
 }
 
-ZO_AVX512 ZO_INLINE int64_t int8_pass16(const zo_adam_args *a, const zo_hyper16 *hyper, int64_t first, int64_t k,
-                                        int64_t n, float *m_new, float *root_new, float *m_max, float *root_max,
+ZO_AVX512 ZO_INLINE int64_t int8_pass16(const zo_adam_args *a, const zo_hyper16 *hyper,
+                                        const zo_block_decode *decode, int64_t first, int64_t k, int64_t n,
+                                        float *m_new, float *root_new, float *m_max, float *root_max,
                                         const int grad_dtype) {
     const zo_hyper16 h = *hyper;
     /* In locals: the stores through float pointers could otherwise alias *a, and every field be read again */
@@ -808,10 +813,7 @@ ZO_AVX512 ZO_INLINE int64_t int8_pass16(const zo_adam_args *a, const zo_hyper16 
     const int out_dtype = a->out_dtype;
     const int8_t *m_codes = (const int8_t *)a->exp_avg_packed + first;
     const uint8_t *v_codes = (const uint8_t *)a->exp_avg_sq_packed + first;
-    const int64_t index = first / ZO_STATE_BLOCK;
-    float m_factor1, root_step1;
-    int8_decode_constants(a, index, &m_factor1, &root_step1);
-    const __m512 m_factor = _mm512_set1_ps(m_factor1), root_step = _mm512_set1_ps(root_step1);
+    const __m512 m_factor = _mm512_set1_ps(decode->m_factor), root_step = _mm512_set1_ps(decode->root_step);
     const int grad_size = grad_dtype == ZO_F32 ? 4 : 2, streams = streams_out(a, first + k, 32);
     __m512 m_top = _mm512_setzero_ps(), root_top = _mm512_setzero_ps();
     for (; k + 16 <= n; k += 16) {
@@ -843,11 +845,12 @@ ZO_AVX512 ZO_INLINE int64_t int8_pass16(const zo_adam_args *a, const zo_hyper16 
 
 /* int8_pass16 with the gradient's dtype a constant in each copy of the loop: checked once a block, where a
  * check every vector cost ~4% of the step (measured in L1). */
-ZO_AVX512 static int64_t int8_pass_avx512(const zo_adam_args *a, const zo_hyper16 *hyper, int64_t first, int64_t k,
-                                          int64_t n, float *m, float *root, float *m_max, float *root_max) {
-    if (a->grad_dtype == ZO_F16) return int8_pass16(a, hyper, first, k, n, m, root, m_max, root_max, ZO_F16);
-    if (a->grad_dtype == ZO_BF16) return int8_pass16(a, hyper, first, k, n, m, root, m_max, root_max, ZO_BF16);
-    return int8_pass16(a, hyper, first, k, n, m, root, m_max, root_max, ZO_F32);
+ZO_AVX512 static int64_t int8_pass_avx512(const zo_adam_args *a, const zo_hyper16 *hyper,
+                                          const zo_block_decode *decode, int64_t first, int64_t k, int64_t n,
+                                          float *m, float *root, float *m_max, float *root_max) {
+    if (a->grad_dtype == ZO_F16) return int8_pass16(a, hyper, decode, first, k, n, m, root, m_max, root_max, ZO_F16);
+    if (a->grad_dtype == ZO_BF16) return int8_pass16(a, hyper, decode, first, k, n, m, root, m_max, root_max, ZO_BF16);
+    return int8_pass16(a, hyper, decode, first, k, n, m, root, m_max, root_max, ZO_F32);
 }
 
 /* encode_avx2 on 64 floats at a time: four vectors of codes in 32-bit lanes are narrowed by two saturating packs
@@ -891,11 +894,12 @@ ZO_AVX512 static void int8_avx512(const zo_adam_args *a, int64_t begin, int64_t 
     const zo_hyper8 h8 = hyper8(a);
     for (int64_t first = begin; first < end; first += ZO_STATE_BLOCK) {
         const int64_t index = first / ZO_STATE_BLOCK, n = end - first < ZO_STATE_BLOCK ? end - first : ZO_STATE_BLOCK;
-        float m_max = 0.0f, root_max = 0.0f, m_factor, root_step;
+        float m_max = 0.0f, root_max = 0.0f;
+        zo_block_decode decode;
         int64_t k = 0;
-        if (int8_decode_constants(a, index, &m_factor, &root_step)) { /* else the scalar loop does it all */
-            k = int8_pass_avx512(a, &h, first, 0, n, m, root, &m_max, &root_max);
-            k = int8_pass_avx2(a, &h8, first, k, n, m, root, &m_max, &root_max);
+        if (int8_decode_constants(a, index, &decode)) { /* else the scalar loop does it all */
+            k = int8_pass_avx512(a, &h, &decode, first, 0, n, m, root, &m_max, &root_max);
+            k = int8_pass_avx2(a, &h8, &decode, first, k, n, m, root, &m_max, &root_max);
         }
         int8_tail_scalar(a, first, k, n, m, root, &m_max, &root_max);
         a->exp_avg_scale[index] = encode_avx512(m, 1, m_max, (int8_t *)a->exp_avg_packed + first, n);
