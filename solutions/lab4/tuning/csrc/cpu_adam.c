@@ -495,39 +495,43 @@ static void narrow_scalar(const zo_adam_args *a, int64_t begin, int64_t end) {
     }
 }
 
+/* The units an int8 block's first pass keeps the new moments in (int8_pass8): m / m_unit and sqrt(v) / root_unit,
+ * with the update's two constants in the same units. The scratch, its largest values and so the codes are in
+ * those units; the block's scale is its largest value times the unit, in the caller. */
+typedef struct {
+    float m_unit, root_unit;
+    float step, eps; /* step_size x sqrt(bc2) and eps x sqrt(bc2), the update's, divided as the units ask */
+} zo_units;
+
+/* Units of 1: the moments themselves. The bf16 loops, and the int8 blocks the scalar loop does whole. */
+static zo_units plain_units(const zo_adam_args *a) {
+    return (zo_units){1.0f, 1.0f, a->step_size * a->bias_correction2_sqrt, a->eps * a->bias_correction2_sqrt};
+}
+
+static inline int zero_or_normal(float x) { return x == 0.0f || isnormal(x); }
+
 /* The elements [k, n) of the int8 block at `first` that no vector took: decoded, updated and put in the
- * scratch as the vector loops do (m, and sqrt of v), their largest folded into *m_max and *root_max. */
-static void int8_tail_scalar(const zo_adam_args *a, int64_t first, int64_t k, int64_t n, float *m, float *root,
-                             float *m_max, float *root_max) {
+ * scratch as the vector loops do (m, and sqrt of v, in `units`), their largest folded into *m_max and
+ * *root_max. Units of 1 leave the scalar loop's own values. */
+static void int8_tail_scalar(const zo_adam_args *a, const zo_units *units, int64_t first, int64_t k, int64_t n,
+                             float *m, float *root, float *m_max, float *root_max) {
     if (k >= n) return;
     const int64_t index = first / ZO_STATE_BLOCK;
     dequantize_scalar((const int8_t *)a->exp_avg_packed + first + k, 1, a->exp_avg_scale[index], m + k, n - k);
     dequantize_scalar((const uint8_t *)a->exp_avg_sq_packed + first + k, 0, a->exp_avg_sq_scale[index], root + k,
                       n - k);
-    adam_in_scratch(a, first + k, n - k, m + k, root + k); /* root holds v until the line below */
-    for (int64_t j = k; j < n; j++) root[j] = sqrtf(root[j]);
+    adam_in_scratch(a, first + k, n - k, m + k, root + k); /* root holds v until the loop below */
+    for (int64_t j = k; j < n; j++) {
+        m[j] = m[j] / units->m_unit;
+        root[j] = sqrtf(root[j]) / units->root_unit;
+    }
     float largest = absmax_scalar(m + k, n - k), root_largest = absmax_scalar(root + k, n - k);
     *m_max = largest > *m_max ? largest : *m_max;
     *root_max = root_largest > *root_max ? root_largest : *root_max;
 }
 
-/* The constants an int8 block's vector first pass multiplies its codes by (int8_pass8): beta1 x step x scale for
- * m, sqrt(beta2) x step x scale for sqrt(v). Returns whether both are 0 or normal. A subnormal one has lost bits
- * (a thousandth of itself where the moments are ~1e-40), so such a block goes to the scalar loop, whose decode
- * rounds each product on its own, as the encode leaves it a block where 127 / scale overflows. */
-typedef struct {
-    float m_factor, root_step;
-} zo_block_decode;
-
-static inline int int8_decode_constants(const zo_adam_args *a, int64_t index, zo_block_decode *decode) {
-    const float m_factor = a->beta1 * (ZO_M_STEP * a->exp_avg_scale[index]);
-    const float root_step = sqrtf(a->beta2) * (ZO_V_STEP * a->exp_avg_sq_scale[index]);
-    *decode = (zo_block_decode){m_factor, root_step};
-    return (m_factor == 0.0f || isnormal(m_factor)) && (root_step == 0.0f || isnormal(root_step));
-}
-
-/* The weights of the new gradient in m and v for the vector narrow loops. Where it is safe they take grad_scale s
- * in, (1 - beta1) s and (1 - beta2) s^2, and the gradient is not scaled first: one multiply a vector fewer.
+/* The vector loops' weights of the new gradient in m and v. Where it is safe they take grad_scale s in,
+ * (1 - beta1) s and (1 - beta2) s^2, and the gradient is not scaled first: one multiply a vector fewer.
  * Safe means: no L2 decay (it adds wd x w to the scaled gradient); fp16 gradients, whose squares stay finite
  * (65504^2) where a bf16 or fp32 gradient's square might not before scaling; and both weights normal fp32
  * numbers. Returns whether it folded; otherwise the weights are 1 - beta1 and 1 - beta2. */
@@ -542,26 +546,59 @@ static int gradient_weights(const zo_adam_args *a, float *m_weight, float *v_wei
     return 0;
 }
 
+/* The int8 blocks' units: the gradient's weights, m_weight for m and sqrt(v_weight) for sqrt(v). In them,
+ * m_weight x g + beta1 x m is g + (beta1 / m_weight) x m, and v_weight x g^2 + beta2 x v is g^2 + beta2 x v /
+ * v_weight: the weights leave the loop for the block's constants (int8_decode_constants), two multiplies a
+ * vector fewer. The update is unchanged: step x m / (sqrt(v) + eps) is (step x m_unit / root_unit) x m' /
+ * (root' + eps / root_unit). A weight of 0 (a beta of 1) makes every block's constants infinite or NaN, and
+ * int8_decode_constants then hands each block to the scalar loop. */
+static zo_units int8_units(const zo_adam_args *a) {
+    float m_weight, v_weight;
+    gradient_weights(a, &m_weight, &v_weight);
+    const zo_units plain = plain_units(a);
+    const float root_weight = sqrtf(v_weight);
+    return (zo_units){m_weight, root_weight, plain.step * (m_weight / root_weight), plain.eps / root_weight};
+}
+
+/* The constants an int8 block's vector first pass multiplies its codes by (int8_pass8), in the block's units:
+ * beta1 x step x scale / m_unit for m, sqrt(beta2) x step x scale / root_unit for sqrt(v). Returns whether the
+ * vector loops may use them:
+ *  - both 0 or normal. A subnormal one has lost bits (a thousandth of itself where the moments are ~1e-40), so
+ *    such a block goes to the scalar loop, whose decode rounds each product on its own, as the encode leaves it
+ *    a block where 127 / scale overflows;
+ *  - the old moments at most 2^120 in these units (m, and sqrt(v) squared), where fp32 ends at 2^128. The new
+ *    ones add g and g^2, which stay finite wherever the reference's do; a block of moments so large that the
+ *    units would push them past fp32 goes to the scalar loop instead. */
+typedef struct {
+    float m_factor, root_step;
+} zo_block_decode;
+
+static inline int int8_decode_constants(const zo_adam_args *a, int64_t index, const zo_units *units,
+                                        zo_block_decode *decode) {
+    const float m_factor = a->beta1 * (ZO_M_STEP * a->exp_avg_scale[index]) / units->m_unit;
+    const float root_step = sqrtf(a->beta2) * (ZO_V_STEP * a->exp_avg_sq_scale[index]) / units->root_unit;
+    *decode = (zo_block_decode){m_factor, root_step};
+    return zero_or_normal(m_factor) && zero_or_normal(root_step) && m_factor * 127.0f <= 0x1p120f &&
+           root_step * 255.0f <= 0x1p60f;
+}
+
 #if defined(__x86_64__) || defined(_M_X64)
 /* adam_avx2's arithmetic on 8 elements, for the loops that load and store the moments in another format, with
  * fewer operations a vector. Once the moments are narrow, memory waits on these loops' arithmetic, above all on
  * a single core, and a vector division costs as much as the rest of the update on some CPUs (a Zen 3 core does
- * one in ~5 cycles). So:
- *  - step_size x m / (sqrt(v) / sqrt(bc2) + eps) is computed as step_bc x m / (sqrt(v) + eps_bc), with
- *    step_bc = step_size x sqrt(bc2) and eps_bc = eps x sqrt(bc2) once a step: one division and one addition.
+ * one in ~5 cycles). So the loops share two pieces and do the moments themselves:
+ *  - gradient8: the gradient as the moments take it. Its weights may hold grad_scale (gradient_weights).
+ *  - step8: step_size x m / (sqrt(v) / sqrt(bc2) + eps) is computed as step x m / (sqrt(v) + eps), with
+ *    step = step_size x sqrt(bc2) and eps x sqrt(bc2) once a step (zo_units): one division and one addition.
  *    The quotient may differ by an ulp from the scalar loop's, which moves w by ~1e-7 of its step.
- *  - the gradient's weights in m and v may hold grad_scale (gradient_weights).
- *  - the old m and v come as products: m_factor x *m and v_factor x *v. bf16 moments pass beta1 and beta2, and
- *    their m and v are then adam_avx2's operations (so are their codes, unless the weights hold grad_scale).
- *    int8_pass8 passes its codes and the block's constants instead.
- * Returns the new w, updates *m and *v, and leaves sqrt(v) in *root: the denominator needs it anyway, and v's
- * int8 code is a code of it. */
+ *  - the bf16 loop's m and v are then adam_avx2's operations (so are their codes, unless the weights hold
+ *    grad_scale); int8_pass8 folds its decode and the weights into the block's constants instead. */
 typedef struct {
-    __m256 beta1, beta2, m_weight, v_weight, scale, eps_bc, step_bc, wd, decay;
+    __m256 beta1, beta2, m_weight, v_weight, scale, eps, step, wd, decay;
     int scales_gradient, decays, adamw;
 } zo_hyper8;
 
-ZO_AVX2 static zo_hyper8 hyper8(const zo_adam_args *a) {
+ZO_AVX2 static zo_hyper8 hyper8(const zo_adam_args *a, const zo_units *units) {
     float m_weight, v_weight;
     const int folded = gradient_weights(a, &m_weight, &v_weight);
     return (zo_hyper8){_mm256_set1_ps(a->beta1),
@@ -569,8 +606,8 @@ ZO_AVX2 static zo_hyper8 hyper8(const zo_adam_args *a) {
                        _mm256_set1_ps(m_weight),
                        _mm256_set1_ps(v_weight),
                        _mm256_set1_ps(a->grad_scale),
-                       _mm256_set1_ps(a->eps * a->bias_correction2_sqrt),
-                       _mm256_set1_ps(a->step_size * a->bias_correction2_sqrt),
+                       _mm256_set1_ps(units->eps),
+                       _mm256_set1_ps(units->step),
                        _mm256_set1_ps(a->weight_decay),
                        _mm256_set1_ps(a->decay),
                        !folded,
@@ -578,23 +615,26 @@ ZO_AVX2 static zo_hyper8 hyper8(const zo_adam_args *a) {
                        a->adamw};
 }
 
-ZO_AVX2 static inline __m256 adam8(const zo_hyper8 *h, __m256 w, __m256 g, __m256 m_factor, __m256 v_factor,
-                                   __m256 *m, __m256 *v, __m256 *root) {
-    if (h->scales_gradient) g = _mm256_mul_ps(g, h->scale); /* else the weights below hold the scale */
+/* The gradient as the moments take it (scaled unless the weights hold the scale, plus L2 decay); AdamW decays
+ * *w instead. */
+ZO_AVX2 static inline __m256 gradient8(const zo_hyper8 *h, __m256 g, __m256 *w) {
+    if (h->scales_gradient) g = _mm256_mul_ps(g, h->scale);
     if (h->decays) {
-        if (h->adamw) w = _mm256_mul_ps(w, h->decay);
-        else g = _mm256_fmadd_ps(h->wd, w, g);
+        if (h->adamw) *w = _mm256_mul_ps(*w, h->decay);
+        else g = _mm256_fmadd_ps(h->wd, *w, g);
     }
-    *m = _mm256_fmadd_ps(m_factor, *m, _mm256_mul_ps(h->m_weight, g));
-    *v = _mm256_fmadd_ps(v_factor, *v, _mm256_mul_ps(h->v_weight, _mm256_mul_ps(g, g)));
-    *root = _mm256_sqrt_ps(*v);
-    __m256 denom = _mm256_add_ps(*root, h->eps_bc);
-    return _mm256_fnmadd_ps(h->step_bc, _mm256_div_ps(*m, denom), w);
+    return g;
+}
+
+/* The new weights from m and root = sqrt(v), in the units the hyper's step and eps are in. */
+ZO_AVX2 static inline __m256 step8(const zo_hyper8 *h, __m256 w, __m256 m, __m256 root) {
+    return _mm256_fnmadd_ps(h->step, _mm256_div_ps(m, _mm256_add_ps(root, h->eps)), w);
 }
 
 /* bf16 moments in one pass: load8_grad and store8_out read and write bf16 whatever the array holds. */
 ZO_AVX2 static void bf16_avx2(const zo_adam_args *a, int64_t begin, int64_t end) {
-    const zo_hyper8 h = hyper8(a);
+    const zo_units units = plain_units(a);
+    const zo_hyper8 h = hyper8(a, &units);
     /* In locals: the stores through float pointers could otherwise alias *a, and every field be read again */
     float *param = a->param;
     const void *grad = a->grad;
@@ -604,9 +644,12 @@ ZO_AVX2 static void bf16_avx2(const zo_adam_args *a, int64_t begin, int64_t end)
     const int streams = streams_out(a, begin, 16);
     int64_t i = begin;
     for (; i + 8 <= end; i += 8) {
-        __m256 m = load8_grad(m16, ZO_BF16, i), v = load8_grad(v16, ZO_BF16, i), root;
         __m256 w = _mm256_loadu_ps(param + i);
-        w = adam8(&h, w, load8_grad(grad, grad_dtype, i), h.beta1, h.beta2, &m, &v, &root);
+        __m256 g = gradient8(&h, load8_grad(grad, grad_dtype, i), &w);
+        __m256 m = _mm256_fmadd_ps(h.beta1, load8_grad(m16, ZO_BF16, i), _mm256_mul_ps(h.m_weight, g));
+        __m256 v = _mm256_fmadd_ps(h.beta2, load8_grad(v16, ZO_BF16, i),
+                                   _mm256_mul_ps(h.v_weight, _mm256_mul_ps(g, g)));
+        w = step8(&h, w, m, _mm256_sqrt_ps(v));
         store8_out(m16, ZO_BF16, i, m);
         store8_out(v16, ZO_BF16, i, v);
         _mm256_storeu_ps(param + i, w);
@@ -616,15 +659,16 @@ ZO_AVX2 static void bf16_avx2(const zo_adam_args *a, int64_t begin, int64_t end)
 }
 
 /* An int8 block's first pass, 8 at a time from element k of the block at `first` while 8 remain: decode, update,
- * write w (and out) for good, and m and sqrt(v) into the scratch, tracking the largest of each, while the next
- * block's bytes are fetched. Returns the first element it did not do.
- * The decode is folded into the update, with the block's constants multiplied once (`decode`, from
- * int8_decode_constants in the caller): beta1 x m is (beta1 x step x scale) x code, inside adam8's FMA; beta2 x v
- * is r x r inside the same FMA, with r = code x (sqrt(beta2) x step x scale). Decoding as dequantize_scalar does
- * takes five multiplies a vector before those FMAs (two for m, three for v), the fold one: this loop's arithmetic
- * is what memory waits on. The old moments may then differ from dequantize_scalar's by an ulp or two, far below a
- * code; the tests allow the vector loops one code. A block decoded and encoded without an update (a checkpoint
- * changing layout) goes through dequantize_scalar, whose order keeps it bit for bit. */
+ * write w (and out) for good, and m and sqrt(v) into the scratch, in the block's units (zo_units), tracking the
+ * largest of each, while the next block's bytes are fetched. Returns the first element it did not do.
+ * The decode and the gradient's weights are folded into the block's constants (`decode`, from
+ * int8_decode_constants in the caller), multiplied once a block: in units of the weights, m is
+ * (beta1 x step x scale / m_unit) x code + g, inside one FMA, and v is r x r + g x g with r = code x (sqrt(beta2)
+ * x step x scale / root_unit). Decoding as dequantize_scalar does, then weighing, takes seven multiplies a vector
+ * before those FMAs (two for m, three for v, two for the weights), the fold one: this loop's arithmetic is what
+ * memory waits on. The moments may then differ from the scalar loop's by an ulp or two, far below a code; the
+ * tests allow the vector loops one code. A block decoded and encoded without an update (a checkpoint changing
+ * layout) goes through dequantize_scalar, whose order keeps it bit for bit. */
 ZO_AVX2 ZO_INLINE int64_t int8_pass8(const zo_adam_args *a, const zo_hyper8 *hyper, const zo_block_decode *decode,
                                      int64_t first, int64_t k, int64_t n, float *m_new, float *root_new, float *m_max,
                                      float *root_max, const int grad_dtype) {
@@ -644,12 +688,14 @@ ZO_AVX2 ZO_INLINE int64_t int8_pass8(const zo_adam_args *a, const zo_hyper8 *hyp
         const int64_t i = first + k;
         fetch_next_block(param, i, 4);
         fetch_next_block(grad, i, grad_size);
-        __m256i m8 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(m_codes + k)));
-        __m256i v8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(v_codes + k)));
-        __m256 m = _mm256_cvtepi32_ps(m8); /* m_factor does the rest */
-        __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(v8), root_step), v = r, root; /* r x r = beta2 x v */
+        __m256 m_code = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(m_codes + k))));
+        __m256 v_code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(v_codes + k))));
+        __m256 r = _mm256_mul_ps(v_code, root_step); /* r x r = beta2 x v / v_weight */
         __m256 w = _mm256_loadu_ps(param + i);
-        w = adam8(&h, w, load8_grad(grad, grad_dtype, i), m_factor, r, &m, &v, &root);
+        __m256 g = gradient8(&h, load8_grad(grad, grad_dtype, i), &w);
+        __m256 m = _mm256_fmadd_ps(m_factor, m_code, g);
+        __m256 root = _mm256_sqrt_ps(_mm256_fmadd_ps(r, r, _mm256_mul_ps(g, g)));
+        w = step8(&h, w, m, root);
         _mm256_storeu_ps(m_new + k, m);
         _mm256_storeu_ps(root_new + k, root);
         /* max_ps gives its second operand when one is a NaN: a NaN is passed over, as absmax_scalar does */
@@ -721,18 +767,21 @@ ZO_AVX2 static float encode_avx2(const float *src, int is_signed, float scale, v
 
 ZO_AVX2 static void int8_avx2(const zo_adam_args *a, int64_t begin, int64_t end) {
     float m[ZO_STATE_BLOCK], root[ZO_STATE_BLOCK]; /* the new moments of one block: 16 KB, in L1 */
-    const zo_hyper8 h = hyper8(a);
+    const zo_units plain = plain_units(a), units = int8_units(a);
+    const zo_hyper8 h = hyper8(a, &units);
     /* Thread chunks start on a block (run_threads), so each block is coded whole by one thread. */
     for (int64_t first = begin; first < end; first += ZO_STATE_BLOCK) {
         const int64_t index = first / ZO_STATE_BLOCK, n = end - first < ZO_STATE_BLOCK ? end - first : ZO_STATE_BLOCK;
         float m_max = 0.0f, root_max = 0.0f;
         zo_block_decode decode;
-        int64_t k = 0;
-        if (int8_decode_constants(a, index, &decode)) /* else the scalar loop does it all */
-            k = int8_pass_avx2(a, &h, &decode, first, 0, n, m, root, &m_max, &root_max);
-        int8_tail_scalar(a, first, k, n, m, root, &m_max, &root_max);
-        a->exp_avg_scale[index] = encode_avx2(m, 1, m_max, (int8_t *)a->exp_avg_packed + first, n);
-        a->exp_avg_sq_scale[index] = encode_avx2(root, 0, root_max, (uint8_t *)a->exp_avg_sq_packed + first, n);
+        const int vector = int8_decode_constants(a, index, &units, &decode);
+        const zo_units *kept = vector ? &units : &plain; /* the units of the scratch */
+        int64_t k = vector ? int8_pass_avx2(a, &h, &decode, first, 0, n, m, root, &m_max, &root_max) : 0;
+        int8_tail_scalar(a, kept, first, k, n, m, root, &m_max, &root_max);
+        const float m_scale = encode_avx2(m, 1, m_max, (int8_t *)a->exp_avg_packed + first, n);
+        const float root_scale = encode_avx2(root, 0, root_max, (uint8_t *)a->exp_avg_sq_packed + first, n);
+        a->exp_avg_scale[index] = m_scale * kept->m_unit;
+        a->exp_avg_sq_scale[index] = root_scale * kept->root_unit;
     }
 }
 
@@ -744,11 +793,11 @@ static void narrow_avx2(const zo_adam_args *a, int64_t begin, int64_t end) {
 /* The same loops on 16 floats; what is left after the last 16 goes to the 8-wide loops, then to the scalar
  * ones, as adam_avx512 leaves it to adam_avx2. */
 typedef struct {
-    __m512 beta1, beta2, m_weight, v_weight, scale, eps_bc, step_bc, wd, decay;
+    __m512 beta1, beta2, m_weight, v_weight, scale, eps, step, wd, decay;
     int scales_gradient, decays, adamw;
 } zo_hyper16;
 
-ZO_AVX512 static zo_hyper16 hyper16(const zo_adam_args *a) {
+ZO_AVX512 static zo_hyper16 hyper16(const zo_adam_args *a, const zo_units *units) {
     float m_weight, v_weight;
     const int folded = gradient_weights(a, &m_weight, &v_weight);
     return (zo_hyper16){_mm512_set1_ps(a->beta1),
@@ -756,8 +805,8 @@ ZO_AVX512 static zo_hyper16 hyper16(const zo_adam_args *a) {
                         _mm512_set1_ps(m_weight),
                         _mm512_set1_ps(v_weight),
                         _mm512_set1_ps(a->grad_scale),
-                        _mm512_set1_ps(a->eps * a->bias_correction2_sqrt),
-                        _mm512_set1_ps(a->step_size * a->bias_correction2_sqrt),
+                        _mm512_set1_ps(units->eps),
+                        _mm512_set1_ps(units->step),
                         _mm512_set1_ps(a->weight_decay),
                         _mm512_set1_ps(a->decay),
                         !folded,
@@ -765,22 +814,22 @@ ZO_AVX512 static zo_hyper16 hyper16(const zo_adam_args *a) {
                         a->adamw};
 }
 
-ZO_AVX512 static inline __m512 adam16(const zo_hyper16 *h, __m512 w, __m512 g, __m512 m_factor, __m512 v_factor,
-                                      __m512 *m, __m512 *v, __m512 *root) {
-    if (h->scales_gradient) g = _mm512_mul_ps(g, h->scale); /* else the weights below hold the scale */
+ZO_AVX512 static inline __m512 gradient16(const zo_hyper16 *h, __m512 g, __m512 *w) {
+    if (h->scales_gradient) g = _mm512_mul_ps(g, h->scale);
     if (h->decays) {
-        if (h->adamw) w = _mm512_mul_ps(w, h->decay);
-        else g = _mm512_fmadd_ps(h->wd, w, g);
+        if (h->adamw) *w = _mm512_mul_ps(*w, h->decay);
+        else g = _mm512_fmadd_ps(h->wd, *w, g);
     }
-    *m = _mm512_fmadd_ps(m_factor, *m, _mm512_mul_ps(h->m_weight, g));
-    *v = _mm512_fmadd_ps(v_factor, *v, _mm512_mul_ps(h->v_weight, _mm512_mul_ps(g, g)));
-    *root = _mm512_sqrt_ps(*v);
-    __m512 denom = _mm512_add_ps(*root, h->eps_bc);
-    return _mm512_fnmadd_ps(h->step_bc, _mm512_div_ps(*m, denom), w);
+    return g;
+}
+
+ZO_AVX512 static inline __m512 step16(const zo_hyper16 *h, __m512 w, __m512 m, __m512 root) {
+    return _mm512_fnmadd_ps(h->step, _mm512_div_ps(m, _mm512_add_ps(root, h->eps)), w);
 }
 
 ZO_AVX512 static void bf16_avx512(const zo_adam_args *a, int64_t begin, int64_t end) {
-    const zo_hyper16 h = hyper16(a);
+    const zo_units units = plain_units(a);
+    const zo_hyper16 h = hyper16(a, &units);
     /* In locals: the stores through float pointers could otherwise alias *a, and every field be read again */
     float *param = a->param;
     const void *grad = a->grad;
@@ -790,9 +839,12 @@ ZO_AVX512 static void bf16_avx512(const zo_adam_args *a, int64_t begin, int64_t 
     const int streams = streams_out(a, begin, 32);
     int64_t i = begin;
     for (; i + 16 <= end; i += 16) {
-        __m512 m = load16_grad(m16, ZO_BF16, i), v = load16_grad(v16, ZO_BF16, i), root;
         __m512 w = _mm512_loadu_ps(param + i);
-        w = adam16(&h, w, load16_grad(grad, grad_dtype, i), h.beta1, h.beta2, &m, &v, &root);
+        __m512 g = gradient16(&h, load16_grad(grad, grad_dtype, i), &w);
+        __m512 m = _mm512_fmadd_ps(h.beta1, load16_grad(m16, ZO_BF16, i), _mm512_mul_ps(h.m_weight, g));
+        __m512 v = _mm512_fmadd_ps(h.beta2, load16_grad(v16, ZO_BF16, i),
+                                   _mm512_mul_ps(h.v_weight, _mm512_mul_ps(g, g)));
+        w = step16(&h, w, m, _mm512_sqrt_ps(v));
         store16_out(m16, ZO_BF16, i, m);
         store16_out(v16, ZO_BF16, i, v);
         _mm512_storeu_ps(param + i, w);
@@ -820,12 +872,14 @@ ZO_AVX512 ZO_INLINE int64_t int8_pass16(const zo_adam_args *a, const zo_hyper16 
         const int64_t i = first + k;
         fetch_next_block(param, i, 4);
         fetch_next_block(grad, i, grad_size);
-        __m512i m8 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(m_codes + k)));
-        __m512i v8 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(v_codes + k)));
-        __m512 m = _mm512_cvtepi32_ps(m8); /* m_factor does the rest */
-        __m512 r = _mm512_mul_ps(_mm512_cvtepi32_ps(v8), root_step), v = r, root; /* r x r = beta2 x v */
+        __m512 m_code = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(m_codes + k))));
+        __m512 v_code = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(v_codes + k))));
+        __m512 r = _mm512_mul_ps(v_code, root_step); /* r x r = beta2 x v / v_weight */
         __m512 w = _mm512_loadu_ps(param + i);
-        w = adam16(&h, w, load16_grad(grad, grad_dtype, i), m_factor, r, &m, &v, &root);
+        __m512 g = gradient16(&h, load16_grad(grad, grad_dtype, i), &w);
+        __m512 m = _mm512_fmadd_ps(m_factor, m_code, g);
+        __m512 root = _mm512_sqrt_ps(_mm512_fmadd_ps(r, r, _mm512_mul_ps(g, g)));
+        w = step16(&h, w, m, root);
         _mm512_storeu_ps(m_new + k, m);
         _mm512_storeu_ps(root_new + k, root);
         m_top = _mm512_max_ps(_mm512_abs_ps(m), m_top); /* a NaN is passed over, as in the AVX2 loop */
@@ -890,20 +944,25 @@ ZO_AVX512 static float encode_avx512(const float *src, int is_signed, float scal
 
 ZO_AVX512 static void int8_avx512(const zo_adam_args *a, int64_t begin, int64_t end) {
     float m[ZO_STATE_BLOCK], root[ZO_STATE_BLOCK];
-    const zo_hyper16 h = hyper16(a);
-    const zo_hyper8 h8 = hyper8(a);
+    const zo_units plain = plain_units(a), units = int8_units(a);
+    const zo_hyper16 h = hyper16(a, &units);
+    const zo_hyper8 h8 = hyper8(a, &units);
     for (int64_t first = begin; first < end; first += ZO_STATE_BLOCK) {
         const int64_t index = first / ZO_STATE_BLOCK, n = end - first < ZO_STATE_BLOCK ? end - first : ZO_STATE_BLOCK;
         float m_max = 0.0f, root_max = 0.0f;
         zo_block_decode decode;
+        const int vector = int8_decode_constants(a, index, &units, &decode);
+        const zo_units *kept = vector ? &units : &plain;
         int64_t k = 0;
-        if (int8_decode_constants(a, index, &decode)) { /* else the scalar loop does it all */
+        if (vector) {
             k = int8_pass_avx512(a, &h, &decode, first, 0, n, m, root, &m_max, &root_max);
             k = int8_pass_avx2(a, &h8, &decode, first, k, n, m, root, &m_max, &root_max);
         }
-        int8_tail_scalar(a, first, k, n, m, root, &m_max, &root_max);
-        a->exp_avg_scale[index] = encode_avx512(m, 1, m_max, (int8_t *)a->exp_avg_packed + first, n);
-        a->exp_avg_sq_scale[index] = encode_avx512(root, 0, root_max, (uint8_t *)a->exp_avg_sq_packed + first, n);
+        int8_tail_scalar(a, kept, first, k, n, m, root, &m_max, &root_max);
+        const float m_scale = encode_avx512(m, 1, m_max, (int8_t *)a->exp_avg_packed + first, n);
+        const float root_scale = encode_avx512(root, 0, root_max, (uint8_t *)a->exp_avg_sq_packed + first, n);
+        a->exp_avg_scale[index] = m_scale * kept->m_unit;
+        a->exp_avg_sq_scale[index] = root_scale * kept->root_unit;
     }
 }
 
