@@ -1,0 +1,139 @@
+"""Two or more versions of the C kernel, timed side by side: the one-pass step with the moments in one precision.
+
+`make bench` times one kernel. A change worth a few percent hides between two of its runs, because a VM's memory
+bandwidth can change from one run to the next (chapter 4.6). Here every kernel runs in the same rounds as the
+fp32 step and that precision's memory floor, timed as `make bench` times them: each round calls each function
+three times in a row and keeps the median (so a function is not charged with the previous one's dirty cache
+lines), and the report gives the median over rounds. Each kernel's own state, weights and step counter advance
+as in training. Every kernel is built with this checkout's cpu_adam.h, so a revision whose header differs is
+refused.
+
+    python -m tools.ab_cpu_adam 093041a HEAD [--precision int8] [--threads 1 2] [--rounds 10]
+
+A revision is anything `git show` takes, or the path of a cpu_adam.c file. The fp32 step and the floor are this
+checkout's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+from zero_offload.cli.bench.timing import interleaved_ms
+from zero_offload.tuning import build as kernel_build
+from zero_offload.tuning import cpu_adam
+from zero_offload.tuning.cpuinfo import cpu_model
+from zero_offload.tuning.state_precision import zeros_state
+
+ROOT = Path(__file__).resolve().parent.parent
+IN_REPO = "src/zero_offload/tuning/csrc/"
+
+
+def kernel_source(revision: str, directory: Path) -> Path:
+    """The cpu_adam.c of `revision` (a git revision or a file), as a file; refuses a revision whose header differs."""
+    if Path(revision).is_file():
+        return Path(revision)
+
+    def show(name: str) -> bytes:
+        shown = subprocess.run(["git", "show", f"{revision}:{IN_REPO}{name}"], cwd=ROOT, capture_output=True)
+        if shown.returncode != 0:
+            raise SystemExit(
+                f"{revision}: not a file, and git cannot show its {name}: {shown.stderr.decode().strip()}"
+            )
+        return shown.stdout
+
+    if show("cpu_adam.h") != kernel_build.HEADER.read_bytes():
+        raise SystemExit(
+            f"{revision}: its cpu_adam.h differs from this checkout's, so the kernels cannot share one"
+        )
+    path = directory / f"{abs(hash(revision))}.c"
+    path.write_bytes(show("cpu_adam.c"))
+    return path
+
+
+def one_step(state: dict, param: torch.Tensor, grad, out, threads: int, variant: str):
+    """A function doing the next step of Adam on `state` (its own counter), as make bench's rows do."""
+    step = iter(range(1, 10**9))
+    return lambda: cpu_adam.cpu_adam_update(
+        param, grad, state["exp_avg"], state["exp_avg_sq"], exp_avg_scale=state.get("exp_avg_scale"),
+        exp_avg_sq_scale=state.get("exp_avg_sq_scale"), step=next(step), lr=1e-3, out=out, threads=threads,
+        variant=variant,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("revisions", nargs="+", help="git revisions or cpu_adam.c files")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="int8")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--numel", type=int, default=16_700_000)
+    variants = cpu_adam.supported_variants()
+    parser.add_argument(
+        "--variant", choices=variants, default=next(v for v in ("avx512", "avx2", "scalar") if v in variants)
+    )
+    args = parser.parse_args(argv)
+    streaming = "avx2" in variants  # the floor's fp16 output by streaming stores, as the kernel writes it
+
+    n = args.numel
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(0)).half()
+    out = torch.empty(n, dtype=torch.float16)
+    with tempfile.TemporaryDirectory() as directory:
+        modules = {
+            _label(revision): kernel_build.build(kernel_source(revision, Path(directory)), name=f"zo_ab_{k}")
+            for k, revision in enumerate(args.revisions)
+        }
+    ours = kernel_build.build()
+    fns = {}
+    for threads in args.threads:
+        # The fp32 step and the floor with this checkout's kernel; each revision's step with its own.
+        fp32 = one_step(zeros_state(n, "fp32"), torch.zeros(n), grad, out, threads, args.variant)
+        fns[("fp32 step", threads)] = lambda fn=fp32: _with(ours, fn)
+        floor_state, floor_param = zeros_state(n, args.precision), torch.zeros(n)
+        floor = lambda t=threads, s=floor_state, p=floor_param: cpu_adam.memory_floor(  # noqa: E731
+            p, grad, s["exp_avg"], s["exp_avg_sq"], exp_avg_scale=s.get("exp_avg_scale"),
+            exp_avg_sq_scale=s.get("exp_avg_sq_scale"), out=out, threads=t, nontemporal=streaming,
+        )  # fmt: skip
+        fns[(f"{args.precision} floor", threads)] = lambda fn=floor: _with(ours, fn)
+        for revision, module in modules.items():
+            step = one_step(zeros_state(n, args.precision), torch.zeros(n), grad, out, threads, args.variant)
+            fns[(revision, threads)] = lambda fn=step, m=module: _with(m, fn)
+    ms = interleaved_ms({f"{name} x{t}": fn for (name, t), fn in fns.items()}, args.rounds, desc="kernels")
+    print(f"{args.precision} step over {n:,} parameters, variant {args.variant}, CPU: {cpu_model()}, "
+          f"medians of {args.rounds} interleaved rounds")  # fmt: skip
+    for threads in args.threads:
+        fp32, floor = ms[f"fp32 step x{threads}"], ms[f"{args.precision} floor x{threads}"]
+        print(
+            f"x{threads}: fp32 step {fp32:.2f} ms, {args.precision} floor {floor:.2f} ms"
+            + (" (streaming output)" if streaming else "")
+        )
+        for revision in modules:
+            took = ms[f"{revision} x{threads}"]
+            print(
+                f"   {revision:<24} {took:6.2f} ms   of floor {floor / took:4.0%}   vs fp32 {fp32 / took:.2f}x"
+            )
+    return 0
+
+
+def _label(revision: str) -> str:
+    """A git revision as its short hash (HEAD moves), a file as its path."""
+    if Path(revision).is_file():
+        return revision
+    named = subprocess.run(
+        ["git", "rev-parse", "--short", revision], cwd=ROOT, capture_output=True, text=True
+    )
+    return named.stdout.strip() or revision
+
+
+def _with(module, fn):
+    with mock.patch.object(cpu_adam, "build", lambda: module):
+        fn()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
