@@ -496,8 +496,9 @@ static void narrow_scalar(const zo_adam_args *a, int64_t begin, int64_t end) {
 }
 
 /* The units an int8 block's first pass keeps the new moments in (int8_pass8): m / m_unit and sqrt(v) / root_unit,
- * with the update's two constants in the same units. The scratch, its largest values and so the codes are in
- * those units; the block's scale is its largest value times the unit, in the caller. */
+ * with the update's two constants in the same units. The scratch and its largest values are in those units; a
+ * code, a ratio to the largest, does not depend on them, and the block's scale is its largest value times the
+ * unit (in the block loop). */
 typedef struct {
     float m_unit, root_unit;
     float step, eps; /* step_size x sqrt(bc2) and eps x sqrt(bc2), the update's, divided as the units ask */
