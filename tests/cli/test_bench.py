@@ -73,6 +73,23 @@ def test_the_floor_is_the_faster_of_plain_and_streaming_stores():
     assert bench_adam.floor_stores({}, "f") == (None, None)  # no C Adam: no floor
 
 
+def test_a_narrow_step_is_told_what_share_of_its_floor_its_target_needs():
+    def row(precision, ms, floor_ms, fp32_ms):
+        return {"precision": precision, "ms": ms, "floor_ms": floor_ms, "fp32_ms": fp32_ms}
+
+    # 1.6 x 5.0 / 8.0: the int8 step must run at its floor exactly; at 5.0 ms it does (1.6x, 100%)
+    assert bench_adam.target_verdict(row("int8", 5.0, 5.0, 8.0)) == (pytest.approx(1.0), "met")
+    # fast enough against fp32 (1.6x) but at 83% of its floor: missed
+    assert bench_adam.target_verdict(row("int8", 5.0, 4.15, 8.0))[1] == "missed"
+    # at its floor (100%) but fp32 / floor is only 1.5: out of reach, needs 107%
+    needs, goal = bench_adam.target_verdict(row("int8", 4.0, 4.0, 6.0))
+    assert goal == "missed" and needs == pytest.approx(1.6 * 4 / 6)
+    # bf16: 1.3 x 6.0 / 8.4 = 93%; at 6.1 ms it is 1.38x and 98% of its floor
+    needs, goal = bench_adam.target_verdict(row("bf16", 6.1, 6.0, 8.4))
+    assert goal == "met" and needs == pytest.approx(1.3 * 6.0 / 8.4)
+    assert bench_adam.target_verdict(row("fp32", 8.4, 8.3, 8.4)) == (None, "-")
+
+
 def test_the_kernel_sections_run_small_and_say_which_floor_they_used(capsys, monkeypatch, tmp_path):
     pytest.importorskip("cffi")
     from zero_offload.tuning import variant_choice
@@ -99,3 +116,5 @@ def test_the_kernel_sections_run_small_and_say_which_floor_they_used(capsys, mon
     bench_adam.print_offload_update(update)
     out = capsys.readouterr().out
     assert "stores" in out and "int8 x2" in out and "memory floor (28 bytes a parameter)" in out
+    int8_row = next(line for line in out.splitlines() if line.startswith("int8 x2"))
+    assert int8_row.split()[-1] in ("met", "missed") and int8_row.split()[-2].endswith("%"), int8_row
