@@ -17,6 +17,7 @@ checkout's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import subprocess
 import tempfile
 from pathlib import Path
@@ -24,11 +25,12 @@ from unittest import mock
 
 import torch
 
+from zero_offload.cli.bench.adam import state_floor, state_step, streaming_stores
 from zero_offload.cli.bench.timing import interleaved_ms
 from zero_offload.tuning import build as kernel_build
 from zero_offload.tuning import cpu_adam
 from zero_offload.tuning.cpuinfo import cpu_model
-from zero_offload.tuning.state_precision import zeros_state
+from zero_offload.tuning.state_precision import PRECISIONS, zeros_state
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_REPO = "src/zero_offload/tuning/csrc/"
@@ -56,20 +58,10 @@ def kernel_source(revision: str, directory: Path) -> Path:
     return path
 
 
-def one_step(state: dict, param: torch.Tensor, grad, out, threads: int, variant: str):
-    """A function doing the next step of Adam on `state` (its own counter), as make bench's rows do."""
-    step = iter(range(1, 10**9))
-    return lambda: cpu_adam.cpu_adam_update(
-        param, grad, state["exp_avg"], state["exp_avg_sq"], exp_avg_scale=state.get("exp_avg_scale"),
-        exp_avg_sq_scale=state.get("exp_avg_sq_scale"), step=next(step), lr=1e-3, out=out, threads=threads,
-        variant=variant,
-    )  # fmt: skip
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("revisions", nargs="+", help="git revisions or cpu_adam.c files")
-    parser.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="int8")
+    parser.add_argument("--precision", choices=PRECISIONS, default="int8")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--numel", type=int, default=16_700_000)
@@ -78,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         "--variant", choices=variants, default=next(v for v in ("avx512", "avx2", "scalar") if v in variants)
     )
     args = parser.parse_args(argv)
-    streaming = "avx2" in variants  # the floor's fp16 output by streaming stores, as the kernel writes it
+    streaming = streaming_stores()  # the floor's fp16 output as the kernel writes it, where the CPU can
 
     n = args.numel
     grad = torch.randn(n, generator=torch.Generator().manual_seed(0)).half()
@@ -92,16 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     fns = {}
     for threads in args.threads:
         # The fp32 step and the floor with this checkout's kernel; each revision's step with its own.
-        fp32 = one_step(zeros_state(n, "fp32"), torch.zeros(n), grad, out, threads, args.variant)
+        fp32 = state_step(
+            torch.zeros(n), grad, zeros_state(n, "fp32"), out, threads, args.variant, itertools.count(1)
+        )
         fns[("fp32 step", threads)] = lambda fn=fp32: _with(ours, fn)
-        floor_state, floor_param = zeros_state(n, args.precision), torch.zeros(n)
-        floor = lambda t=threads, s=floor_state, p=floor_param: cpu_adam.memory_floor(  # noqa: E731
-            p, grad, s["exp_avg"], s["exp_avg_sq"], exp_avg_scale=s.get("exp_avg_scale"),
-            exp_avg_sq_scale=s.get("exp_avg_sq_scale"), out=out, threads=t, nontemporal=streaming,
-        )  # fmt: skip
+        floor = state_floor(torch.zeros(n), grad, zeros_state(n, args.precision), out, threads, streaming)
         fns[(f"{args.precision} floor", threads)] = lambda fn=floor: _with(ours, fn)
         for revision, module in modules.items():
-            step = one_step(zeros_state(n, args.precision), torch.zeros(n), grad, out, threads, args.variant)
+            state = zeros_state(n, args.precision)
+            step = state_step(torch.zeros(n), grad, state, out, threads, args.variant, itertools.count(1))
             fns[(revision, threads)] = lambda fn=step, m=module: _with(m, fn)
     ms = interleaved_ms({f"{name} x{t}": fn for (name, t), fn in fns.items()}, args.rounds, desc="kernels")
     print(f"{args.precision} step over {n:,} parameters, variant {args.variant}, CPU: {cpu_model()}, "

@@ -13,6 +13,7 @@ Both time their contenders in interleaved rounds (timing.py), so that a slow spe
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
@@ -76,7 +77,7 @@ def adam_implementations(numel: int = 16_700_000, rounds: int = 7, threads: int 
     return {"numel": numel, "threads": threads, "median_ms": ms, "floor_ms": floor, "skipped": skipped}
 
 
-def _streaming_stores() -> bool:
+def streaming_stores() -> bool:
     """Whether this CPU's memory floor can write with streaming stores (x86 with AVX2)."""
     tiny = torch.zeros(64)
     try:
@@ -128,7 +129,7 @@ def offload_update(numel: int = 16_700_000, rounds: int = 7, threads: int = 2) -
         steps["ours, one pass"] = lambda: cpu_adam_update(
             master, grad16, m, v, step=next(counter), lr=1e-3, grad_scale=1 / 1024, out=out16, threads=threads
         )
-        for streaming in (False, True) if _streaming_stores() else (False,):
+        for streaming in (False, True) if streaming_stores() else (False,):
             name = "memory floor, streaming output" if streaming else "memory floor"
             steps[name] = lambda nt=streaming: memory_floor(
                 *scratch[:1], grad16, *scratch[1:], out=out16, threads=threads, nontemporal=nt
@@ -136,6 +137,24 @@ def offload_update(numel: int = 16_700_000, rounds: int = 7, threads: int = 2) -
     ms = interleaved_ms(steps, rounds, desc="offloaded update")
     floor, stores = floor_stores(ms, "memory floor")
     return {"numel": numel, "threads": threads, "median_ms": ms, "floor_ms": floor, "floor_stores": stores}
+
+
+def state_step(param, grad, state: dict, out, threads: int, variant: str, counter) -> Callable[[], None]:
+    """A function doing the next Adam step of `param` and `state` (any precision of tuning/state_precision.py),
+    its step numbers from `counter`, as the moment-precision rows (and tools/ab_cpu_adam.py) time it."""
+    return lambda: cpu_adam_update(
+        param, grad, state["exp_avg"], state["exp_avg_sq"], exp_avg_scale=state.get("exp_avg_scale"),
+        exp_avg_sq_scale=state.get("exp_avg_sq_scale"), step=next(counter), lr=1e-3, out=out, threads=threads,
+        variant=variant,
+    )  # fmt: skip
+
+
+def state_floor(param, grad, state: dict, out, threads: int, nontemporal: bool) -> Callable[[], None]:
+    """A function moving state_step's bytes with no arithmetic: that precision's memory floor."""
+    return lambda: memory_floor(
+        param, grad, state["exp_avg"], state["exp_avg_sq"], exp_avg_scale=state.get("exp_avg_scale"),
+        exp_avg_sq_scale=state.get("exp_avg_sq_scale"), out=out, threads=threads, nontemporal=nontemporal,
+    )  # fmt: skip
 
 
 def moment_precisions(numel: int = 16_700_000, rounds: int = 7, threads: int = 2) -> dict:
@@ -153,19 +172,10 @@ def moment_precisions(numel: int = 16_700_000, rounds: int = 7, threads: int = 2
         scratch, scratch_state = torch.zeros(numel), zeros_state(numel, precision)
         for count in counts:
             variants[(precision, count)] = variant = fastest_variant(count, supported_variants(), precision)
-            steps[(precision, count)] = lambda p=param, s=state, o=out, t=count, c=counter, k=variant: (
-                cpu_adam_update(
-                    p, grad, s["exp_avg"], s["exp_avg_sq"], exp_avg_scale=s.get("exp_avg_scale"),
-                    exp_avg_sq_scale=s.get("exp_avg_sq_scale"), step=next(c), lr=1e-3, out=o, threads=t,
-                    variant=k,
-                )
-            )  # fmt: skip
-            for streaming in (False, True) if _streaming_stores() else (False,):
+            steps[(precision, count)] = state_step(param, grad, state, out, count, variant, counter)
+            for streaming in (False, True) if streaming_stores() else (False,):
                 name = f"{precision} x{count} floor" + (", streaming output" if streaming else "")
-                floors[name] = lambda p=scratch, s=scratch_state, o=out, t=count, nt=streaming: memory_floor(
-                    p, grad, s["exp_avg"], s["exp_avg_sq"], exp_avg_scale=s.get("exp_avg_scale"),
-                    exp_avg_sq_scale=s.get("exp_avg_sq_scale"), out=o, threads=t, nontemporal=nt,
-                )  # fmt: skip
+                floors[name] = state_floor(scratch, grad, scratch_state, out, count, streaming)
     named = {f"{p} x{t}": fn for (p, t), fn in steps.items()}
     named.update(floors)
     ms = interleaved_ms(named, rounds, desc="moment precisions")
