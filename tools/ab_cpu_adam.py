@@ -5,7 +5,7 @@ bandwidth can change from one run to the next (chapter 4.6). Here every kernel r
 fp32 step and that precision's memory floor, timed as `make bench` times them: each round calls each function
 three times in a row and keeps the median (so a function is not charged with the previous one's dirty cache
 lines), and the report gives the median over rounds. Each kernel's own state, weights and step counter advance
-as in training. Every kernel is built with this checkout's cpu_adam.h, so a revision whose header differs is
+as in training, in arrays placed as the engine places its host states (cli/bench/adam.py's host_zeros). Every kernel is built with this checkout's cpu_adam.h, so a revision whose header differs is
 refused.
 
     python -m tools.ab_cpu_adam 093041a HEAD [--precision int8] [--threads 1 2] [--rounds 10]
@@ -25,12 +25,12 @@ from unittest import mock
 
 import torch
 
-from zero_offload.cli.bench.adam import state_floor, state_step, streaming_stores
+from zero_offload.cli.bench.adam import host_state, host_zeros, state_floor, state_step, streaming_stores
 from zero_offload.cli.bench.timing import interleaved_ms
 from zero_offload.tuning import build as kernel_build
 from zero_offload.tuning import cpu_adam
 from zero_offload.tuning.cpuinfo import cpu_model
-from zero_offload.tuning.state_precision import PRECISIONS, zeros_state
+from zero_offload.tuning.state_precision import PRECISIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_REPO = "src/zero_offload/tuning/csrc/"
@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     streaming = streaming_stores()  # the floor's fp16 output as the kernel writes it, where the CPU can
 
     n = args.numel
-    grad = torch.randn(n, generator=torch.Generator().manual_seed(0)).half()
-    out = torch.empty(n, dtype=torch.float16)
+    grad = host_zeros(n, torch.float16).copy_(torch.randn(n, generator=torch.Generator().manual_seed(0)))
+    out = host_zeros(n, torch.float16)
     with tempfile.TemporaryDirectory() as directory:
         modules = {
             _label(revision): kernel_build.build(kernel_source(revision, Path(directory)), name=f"zo_ab_{k}")
@@ -85,14 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     for threads in args.threads:
         # The fp32 step and the floor with this checkout's kernel; each revision's step with its own.
         fp32 = state_step(
-            torch.zeros(n), grad, zeros_state(n, "fp32"), out, threads, args.variant, itertools.count(1)
+            host_zeros(n), grad, host_state(n, "fp32"), out, threads, args.variant, itertools.count(1)
         )
         fns[("fp32 step", threads)] = lambda fn=fp32: _with(ours, fn)
-        floor = state_floor(torch.zeros(n), grad, zeros_state(n, args.precision), out, threads, streaming)
+        floor = state_floor(host_zeros(n), grad, host_state(n, args.precision), out, threads, streaming)
         fns[(f"{args.precision} floor", threads)] = lambda fn=floor: _with(ours, fn)
         for revision, module in modules.items():
-            state = zeros_state(n, args.precision)
-            step = state_step(torch.zeros(n), grad, state, out, threads, args.variant, itertools.count(1))
+            state = host_state(n, args.precision)
+            step = state_step(host_zeros(n), grad, state, out, threads, args.variant, itertools.count(1))
             fns[(revision, threads)] = lambda fn=step, m=module: _with(m, fn)
     ms = interleaved_ms({f"{name} x{t}": fn for (name, t), fn in fns.items()}, args.rounds, desc="kernels")
     print(f"{args.precision} step over {n:,} parameters, variant {args.variant}, CPU: {cpu_model()}, "

@@ -13,6 +13,7 @@ The files:
   emulated.py        `EmulatedAccelerator`: the budget's books, storage freed and restored, copies on a link queue
   saved_tensors.py   the saved-tensor hooks that charge activations to the emulated device
   host_allocator.py  `keep_freed_blocks`: glibc's malloc told to keep freed blocks, as a GPU's allocator does;
+                     `pageable_empty`: a large host buffer on 2 MiB pages of its own, its start staggered;
                      `pinned_plan`: how a pinned host buffer is made and how many bytes it locks
   cuda.py            `CudaAccelerator`
   streams.py         streams and events: a CUDA stream, or a worker thread that runs its queue in order

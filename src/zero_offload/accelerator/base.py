@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..units import format_bytes
+from .host_allocator import pageable_empty
 from .streams import Event
 
 # What to change when a category of device memory runs out. The engine names the category it allocates,
@@ -127,7 +128,9 @@ class Accelerator:
         return self.empty(shape, dtype, category=category).zero_()
 
     def host_empty(self, shape, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype)
+        """An uninitialised host tensor, page-locked if `pin` (where the device can lock pages); a large one on
+        pages of its own (host_allocator.py's `pageable_empty`)."""
+        return pageable_empty(shape, dtype)
 
     def is_on_device(self, tensor: torch.Tensor) -> bool:
         raise NotImplementedError

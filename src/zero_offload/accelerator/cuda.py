@@ -10,7 +10,7 @@ import weakref
 import torch
 
 from .base import Accelerator, HintOnOutOfMemory, MemoryStats, hinted_oom, restore_hint
-from .host_allocator import pinned_plan, registered_buffer, remember_plan
+from .host_allocator import pageable_empty, pinned_plan, registered_buffer, remember_plan
 from .streams import CudaStream, Event
 
 
@@ -75,7 +75,7 @@ class CudaAccelerator(Accelerator):
 
     def host_empty(self, shape, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
         if not pin:
-            return torch.empty(shape, dtype=dtype)
+            return pageable_empty(shape, dtype)
         shape = torch.Size([shape]) if isinstance(shape, int) else torch.Size(shape)
         plan = pinned_plan(shape.numel() * dtype.itemsize)
         if plan.method == "caching":

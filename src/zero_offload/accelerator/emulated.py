@@ -9,7 +9,7 @@ import torch
 
 from ..units import format_bytes
 from .base import CATEGORIES, Accelerator, DeviceOutOfMemoryError, MemoryStats, hinted_oom, restore_hint
-from .host_allocator import keep_freed_blocks, pinned_plan, remember_plan
+from .host_allocator import keep_freed_blocks, pageable_empty, pinned_plan, remember_plan
 from .saved_tensors import ChargeSavedTensors
 from .streams import Event, WorkerStream, on_worker_stream
 
@@ -117,7 +117,7 @@ class EmulatedAccelerator(Accelerator):
         # Nothing is page-locked here, but a buffer asked for as pinned is remembered: copies from it are the
         # ones a GPU runs by DMA, after the call that launched them has returned. Its plan is noted as a GPU's
         # would be, so the memory report counts the bytes a GPU would lock.
-        tensor = torch.empty(shape, dtype=dtype)
+        tensor = pageable_empty(shape, dtype)
         if pin:
             storage = tensor.untyped_storage()
             self._pinned.add(storage.data_ptr())

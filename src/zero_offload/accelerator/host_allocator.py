@@ -3,12 +3,15 @@
 `keep_freed_blocks`: glibc told to keep freed blocks, as a GPU's caching allocator does (the emulated device).
 `pinned_plan`: how a pinned buffer of a given size is made, and how many bytes of RAM it locks; both devices
 note each pinned buffer's plan (`remember_plan`) so the memory report counts what a GPU locks.
-`registered_buffer`: a buffer on pages of its own, page-locked in place (the CUDA device's large buffers)."""
+`host_pages`: a large host buffer on a mapping of its own, in 2 MiB pages, its start staggered (the engine's host
+states); `pageable_empty` picks it or malloc by size. `registered_buffer`: such a buffer, page-locked in place
+(the CUDA device's large pinned buffers)."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import mmap
 import weakref
 from dataclasses import dataclass
@@ -95,6 +98,61 @@ def locked_host_bytes() -> int:
     return sum(plan.locked_bytes for plan in list(_plans.values()))
 
 
+# -- large host buffers: pages of their own, 2 MiB where the OS allows, starts staggered ---------------------------
+HUGE_PAGE = 2 * 2**20
+# From here on a host buffer gets a mapping of its own (pageable_empty): the host states, gradients and staging
+# areas of any model worth offloading. Smaller ones stay with malloc, where a mapping would waste more than it saves.
+OWN_PAGES_FROM = 4 * 2**20
+# Successive buffers start this much further into their first 2 MiB page, wrapping within STAGGER_SPAN.
+STAGGER, STAGGER_SPAN = 4096 + 64, 256 * 2**10
+_buffers_mapped = itertools.count(1)
+
+
+def host_pages(nbytes: int, dtype, *, align: int = 64, mapping=mmap.mmap):
+    """(a 1-D tensor of `nbytes` bytes of `dtype`, zeroed, and the `mapping` it lives on): anonymous pages of its
+    own, asked for as 2 MiB pages (madvise MADV_HUGEPAGE) where the OS offers them, its start `align`ed.
+
+    Why: the C Adam streams five to seven arrays at once (tuning/cpu_adam.py). On 4 KiB pages, which physical
+    page backs each 4 KiB of each array is chance, so which cache sets the streams share changes from one
+    process to the next; with int8 moments this cost 8-12% at two threads on the Zen 4 (course/measured/
+    host-pages-amd-epyc-zen4.txt). In 2 MiB pages an array's layout in the caches is its virtual layout. That
+    layout is then ours to choose: every buffer starts at a different offset (STAGGER) past a 2 MiB boundary,
+    because arrays that all began at a boundary would put element i of each in the same cache set.
+
+    The first 2 MiB page may hold up to STAGGER_SPAN bytes before the buffer; that is the whole cost in RAM (the
+    buffer's last part, past its last 2 MiB boundary, stays in 4 KiB pages).
+    The mapping lives as long as a tensor made on it (torch.frombuffer keeps it) and is unmapped after."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    # Private, as malloc's pages are: a forked process gets its own copy, not a window on these.
+    pages = mapping(-1, max(nbytes, 1) + HUGE_PAGE + STAGGER_SPAN, flags=mmap.MAP_PRIVATE)
+    anchor = ctypes.c_char.from_buffer(pages)
+    address = ctypes.addressof(anchor)
+    del anchor  # an exported pointer would keep the mapping from being closed
+    boundary = (
+        -(-address // HUGE_PAGE) * HUGE_PAGE - address
+    )  # the first 2 MiB boundary, from the mapping's start
+    start = boundary + (next(_buffers_mapped) * STAGGER) % STAGGER_SPAN // align * align
+    # Up to the last 2 MiB boundary inside the buffer: a huge page past its end would be RAM it never uses.
+    huge_end = (address + start + nbytes) // HUGE_PAGE * HUGE_PAGE - address
+    if (
+        hasattr(mmap, "MADV_HUGEPAGE") and huge_end > boundary
+    ):  # Linux; elsewhere: pages of its own, that is all
+        try:
+            pages.madvise(mmap.MADV_HUGEPAGE, boundary, huge_end - boundary)
+        except OSError:  # a kernel built without transparent huge pages: 4 KiB pages, as malloc's
+            pass
+    return torch.frombuffer(pages, dtype=dtype, count=nbytes // itemsize, offset=start), pages
+
+
+def pageable_empty(shape, dtype) -> torch.Tensor:
+    """An uninitialised pageable host tensor: `host_pages` from OWN_PAGES_FROM bytes on, malloc's below."""
+    shape = torch.Size([shape]) if isinstance(shape, int) else torch.Size(shape)
+    nbytes = shape.numel() * dtype.itemsize
+    if nbytes < OWN_PAGES_FROM:
+        return torch.empty(shape, dtype=dtype)
+    return host_pages(nbytes, dtype)[0].view(shape)
+
+
 class LockedPages(mmap.mmap):
     """Anonymous pages of one host buffer, page-locked for DMA by `register(address, nbytes)`.
 
@@ -111,13 +169,11 @@ class LockedPages(mmap.mmap):
 
 
 def registered_buffer(nbytes: int, dtype, register, unregister):
-    """A 1-D tensor of `nbytes` bytes of `dtype` on pages of its own, locked by `register(address, nbytes)`.
+    """A 1-D tensor of `nbytes` bytes of `dtype` on pages of its own (`host_pages`, starting on a page so that
+    it locks no page more than it needs), locked by `register(address, nbytes)`.
 
     `register` raises (RuntimeError) where the pages cannot be locked; nothing is left locked then."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    # Private, as malloc's pages are: a forked process gets its own copy, not a window on these.
-    pages = LockedPages(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
-    tensor = torch.frombuffer(pages, dtype=dtype, count=nbytes // itemsize)
+    tensor, pages = host_pages(nbytes, dtype, align=PAGE, mapping=LockedPages)
     address = tensor.data_ptr()
     register(address, nbytes)
     pages.address, pages.unregister = address, unregister

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from ...accelerator.host_allocator import pageable_empty
 from ...basics.adam import Adam
 from ...tuning.build import CPUAdamUnavailable
 from ...tuning.cpu_adam import CPUAdam, cpu_adam_update, memory_floor, supported_variants
@@ -139,6 +140,17 @@ def offload_update(numel: int = 16_700_000, rounds: int = 7, threads: int = 2) -
     return {"numel": numel, "threads": threads, "median_ms": ms, "floor_ms": floor, "floor_stores": stores}
 
 
+def host_zeros(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A zeroed host array placed as the engine places its host states (accelerator/host_allocator.py: a large
+    one on 2 MiB pages of its own, its start staggered), so that the moment-precision rows time that layout."""
+    return pageable_empty(numel, dtype).zero_()
+
+
+def host_state(numel: int, precision: str) -> dict[str, torch.Tensor]:
+    """zeros_state(numel, precision), its arrays placed by host_zeros."""
+    return {name: host_zeros(t.numel(), t.dtype) for name, t in zeros_state(numel, precision).items()}
+
+
 def state_step(param, grad, state: dict, out, threads: int, variant: str, counter) -> Callable[[], None]:
     """A function doing the next Adam step of `param` and `state` (any precision of tuning/state_precision.py),
     its step numbers from `counter`, as the moment-precision rows (and tools/ab_cpu_adam.py) time it."""
@@ -161,15 +173,18 @@ def moment_precisions(numel: int = 16_700_000, rounds: int = 7, threads: int = 2
     """The offloaded update (fp16 gradients in, Adam, fp16 weights out) over `numel` fp32 weights with the
     moments stored in each precision of tuning/state_precision.py, by the variant "auto" runs, on 1 and on
     `threads` threads; and beside each, that precision's own memory floor: the same bytes moved with no
-    arithmetic (28, 20 and about 16 a parameter). All interleaved in one run, so the ratios hold."""
+    arithmetic (28, 20 and about 16 a parameter). All interleaved in one run, so the ratios hold. Every array
+    is placed as the engine places its host states (host_zeros)."""
     torch.set_num_threads(threads)
-    grad = torch.randn(numel, generator=torch.Generator().manual_seed(0)).half()
+    grad = host_zeros(numel, torch.float16).copy_(
+        torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    )
     counts = sorted({1, threads})
     steps, floors, variants = {}, {}, {}
     for precision in PRECISIONS if _c_variants() else ():
-        out = torch.empty(numel, dtype=torch.float16)
-        param, state, counter = torch.zeros(numel), zeros_state(numel, precision), itertools.count(1)
-        scratch, scratch_state = torch.zeros(numel), zeros_state(numel, precision)
+        out = host_zeros(numel, torch.float16)
+        param, state, counter = host_zeros(numel), host_state(numel, precision), itertools.count(1)
+        scratch, scratch_state = host_zeros(numel), host_state(numel, precision)
         for count in counts:
             variants[(precision, count)] = variant = fastest_variant(count, supported_variants(), precision)
             steps[(precision, count)] = state_step(param, grad, state, out, count, variant, counter)

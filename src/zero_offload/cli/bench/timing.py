@@ -19,15 +19,21 @@ def median_ms(fn, repeats: int, warmup: int = 2) -> float:
     return median_seconds(fn, repeats, warmup=warmup) * 1000
 
 
-def interleaved_ms(fns: dict, rounds: int, calls: int = 3, desc: str = "") -> dict[str, float]:
-    """Median ms of each function. Every round times every function (`calls` calls each), so a slow spell of
-    a shared machine falls on all of them alike instead of on whichever happened to run then."""
+def interleaved_rounds(fns: dict, rounds: int, calls: int = 3, desc: str = "") -> dict[str, list[float]]:
+    """Each function's ms in each round. Every round times every function (`calls` calls each, their median), so
+    a slow spell of a shared machine falls on all of them alike instead of on whichever happened to run then."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
         fn()  # warm up: first-touch page faults, a compile, thread start-up
     for _ in tqdm(range(rounds), desc=desc, unit="round"):
         for name, fn in fns.items():
             times[name].append(median_ms(fn, calls, warmup=0))
+    return times
+
+
+def interleaved_ms(fns: dict, rounds: int, calls: int = 3, desc: str = "") -> dict[str, float]:
+    """Median ms of each function over `interleaved_rounds`."""
+    times = interleaved_rounds(fns, rounds, calls, desc)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
