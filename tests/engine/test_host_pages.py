@@ -71,6 +71,8 @@ def test_small_buffers_stay_with_malloc_and_shapes_are_kept():
     small = pageable_empty((3, 5), torch.float16)
     large = pageable_empty((2, OWN_PAGES_FROM // 4), torch.float16)
     assert small.shape == (3, 5) and large.shape == (2, OWN_PAGES_FROM // 4) and large.is_contiguous()
+    # malloc's storage can grow; one made on a mapping cannot (torch.frombuffer): which allocator made which.
+    assert small.untyped_storage().resizable() and not large.untyped_storage().resizable()
     if LINUX:
         start, end, _ = _mapping_of(large.data_ptr())
         assert end - start < large.nbytes + HUGE_PAGE  # a mapping of its own, not malloc's heap

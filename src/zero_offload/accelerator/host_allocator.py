@@ -113,14 +113,16 @@ def host_pages(nbytes: int, dtype, *, align: int = 64, mapping=mmap.mmap):
     own, asked for as 2 MiB pages (madvise MADV_HUGEPAGE) where the OS offers them, its start `align`ed.
 
     Why: the C Adam streams five to seven arrays at once (tuning/cpu_adam.py). On 4 KiB pages, which physical
-    page backs each 4 KiB of each array is chance, so which cache sets the streams share changes from one
-    process to the next; with int8 moments this cost 8-12% at two threads on the Zen 4 (course/measured/
-    host-pages-amd-epyc-zen4.txt). In 2 MiB pages an array's layout in the caches is its virtual layout. That
-    layout is then ours to choose: every buffer starts at a different offset (STAGGER) past a 2 MiB boundary,
-    because arrays that all began at a boundary would put element i of each in the same cache set.
+    page backs each 4 KiB of each array is chance, and so is which cache sets the streams share; malloc may
+    also hand out pages of the heap that earlier work left behind. In 2 MiB pages an array's layout in the
+    caches is its virtual layout, ours to choose: every buffer starts at a different offset (STAGGER) past a
+    2 MiB boundary, because arrays that all began at a boundary would put element i of each in the same cache
+    set. On the Zen 4 this made the memory floors faster and the int8 step at one thread faster in make bench
+    (course/measured/host-pages-amd-epyc-zen4.txt, bench-host-pages-pairs-amd-epyc-zen4.txt; appendix 4.A.4).
 
     The first 2 MiB page may hold up to STAGGER_SPAN bytes before the buffer; that is the whole cost in RAM (the
-    buffer's last part, past its last 2 MiB boundary, stays in 4 KiB pages).
+    buffer's last part, past its last 2 MiB boundary, stays in 4 KiB pages). Where free memory is fragmented, the
+    kernel may compact it to find 2 MiB pages, or fall back to 4 KiB ones: a cost of the first touch only.
     The mapping lives as long as a tensor made on it (torch.frombuffer keeps it) and is unmapped after."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     # Private, as malloc's pages are: a forked process gets its own copy, not a window on these.
