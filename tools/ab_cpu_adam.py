@@ -5,8 +5,8 @@ bandwidth can change from one run to the next (chapter 4.6). Here every kernel r
 fp32 step and that precision's memory floor, timed as `make bench` times them: each round calls each function
 three times in a row and keeps the median (so a function is not charged with the previous one's dirty cache
 lines), and the report gives the median over rounds. Each kernel's own state, weights and step counter advance
-as in training, in arrays placed as the engine places its host states (cli/bench/adam.py's host_zeros). Every kernel is built with this checkout's cpu_adam.h, so a revision whose header differs is
-refused.
+as in training, in arrays placed as the engine places its host states (cli/bench/adam.py's host_zeros). Every
+kernel is built with this checkout's cpu_adam.h, so a revision whose header differs is refused.
 
     python -m tools.ab_cpu_adam 093041a HEAD [--precision int8] [--threads 1 2] [--rounds 10]
 
@@ -25,6 +25,7 @@ from unittest import mock
 
 import torch
 
+from tools.ab_options import add_step_options
 from zero_offload.cli.bench.adam import host_state, host_zeros, state_floor, state_step, streaming_stores
 from zero_offload.cli.bench.timing import interleaved_ms
 from zero_offload.tuning import build as kernel_build
@@ -62,13 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("revisions", nargs="+", help="git revisions or cpu_adam.c files")
     parser.add_argument("--precision", choices=PRECISIONS, default="int8")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--numel", type=int, default=16_700_000)
-    variants = cpu_adam.supported_variants()
-    parser.add_argument(
-        "--variant", choices=variants, default=next(v for v in ("avx512", "avx2", "scalar") if v in variants)
-    )
+    add_step_options(parser, rounds=10)
     args = parser.parse_args(argv)
     streaming = streaming_stores()  # the floor's fp16 output as the kernel writes it, where the CPU can
 

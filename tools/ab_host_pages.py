@@ -20,9 +20,9 @@ import statistics
 
 import torch
 
+from tools.ab_options import add_step_options
 from zero_offload.cli.bench.adam import host_state, host_zeros, state_floor, state_step, streaming_stores
 from zero_offload.cli.bench.timing import interleaved_rounds
-from zero_offload.tuning import cpu_adam
 from zero_offload.tuning.cpuinfo import cpu_model
 from zero_offload.tuning.state_precision import PRECISIONS, zeros_state
 
@@ -60,13 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--precision", choices=[p for p in PRECISIONS if p != "fp32"], nargs="+", default=["int8"]
     )
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--numel", type=int, default=16_700_000)
-    variants = cpu_adam.supported_variants()
-    parser.add_argument(
-        "--variant", choices=variants, default=next(v for v in ("avx512", "avx2", "scalar") if v in variants)
-    )
+    add_step_options(parser, rounds=20)
     args = parser.parse_args(argv)
     streaming = streaming_stores()
     fns = {}
