@@ -28,23 +28,41 @@ from zero_offload.implementation.transfers import host_buffer
 LINUX = sys.platform.startswith("linux")
 
 
-def _mapping_of(address: int) -> tuple[int, int, list[str]] | None:
-    """(start, end, VmFlags) of this process's mapping that holds `address`, from /proc/self/smaps; or None."""
+def _kernel_marks_huge_pages() -> bool:
+    """Whether this kernel has transparent huge pages and shows a mapping's madvise flags (smaps' VmFlags)."""
+    if not (
+        LINUX and hasattr(mmap, "MADV_HUGEPAGE") and os.path.exists("/sys/kernel/mm/transparent_hugepage")
+    ):
+        return False
     with open("/proc/self/smaps") as smaps:
-        found = None
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(x, 16) for x in head.split("-"))
-                found = (start, end) if start <= address < end else None
-            elif found and line.startswith("VmFlags:"):
-                return (*found, line.split()[1:])
-    return None
+        return any(line.startswith("VmFlags:") for line in smaps)
 
 
-@pytest.mark.skipif(
-    not (LINUX and hasattr(mmap, "MADV_HUGEPAGE")), reason="madvise(MADV_HUGEPAGE) is Linux's"
+HUGE_PAGES = pytest.mark.skipif(
+    not _kernel_marks_huge_pages(), reason="needs Linux with transparent huge pages and smaps' VmFlags"
 )
+
+
+def _mapping_of(address: int) -> tuple[int, int, list[str]] | None:
+    """(start, end, VmFlags) of this process's mapping that holds `address`, from /proc/self/smaps (flags [] where
+    smaps has none); or None."""
+    found = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if not line.strip():
+                continue
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
+                if found:
+                    return found
+                start, end = (int(x, 16) for x in head.split("-"))
+                found = (start, end, []) if start <= address < end else None
+            elif found and line.startswith("VmFlags:"):
+                found = (*found[:2], line.split()[1:])
+    return found
+
+
+@HUGE_PAGES
 def test_a_large_host_buffer_is_asked_for_in_2mib_pages_and_holds_exactly_its_bytes():
     numel = OWN_PAGES_FROM // 4 + 3
     buffer = host_buffer(EmulatedAccelerator(), numel, torch.float32, pin=False)
@@ -113,9 +131,7 @@ def test_a_kernel_without_transparent_huge_pages_still_gets_a_buffer():
     assert buffer.sum() == 1.5 * buffer.numel()
 
 
-@pytest.mark.skipif(
-    not (LINUX and hasattr(mmap, "MADV_HUGEPAGE")), reason="madvise(MADV_HUGEPAGE) is Linux's"
-)
+@HUGE_PAGES
 @pytest.mark.parametrize("moments", ["fp32", "int8"])
 def test_the_engines_host_states_are_on_these_pages(moments):
     states = HostOptimizerStates(
