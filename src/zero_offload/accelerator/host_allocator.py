@@ -130,15 +130,13 @@ def host_pages(nbytes: int, dtype, *, align: int = 64, mapping=mmap.mmap):
     anchor = ctypes.c_char.from_buffer(pages)
     address = ctypes.addressof(anchor)
     del anchor  # an exported pointer would keep the mapping from being closed
-    boundary = (
-        -(-address // HUGE_PAGE) * HUGE_PAGE - address
-    )  # the first 2 MiB boundary, from the mapping's start
+    # Offsets from the mapping's start: its first 2 MiB boundary, and the buffer's start past it.
+    boundary = -(-address // HUGE_PAGE) * HUGE_PAGE - address
     start = boundary + (next(_buffers_mapped) * STAGGER) % STAGGER_SPAN // align * align
     # Up to the last 2 MiB boundary inside the buffer: a huge page past its end would be RAM it never uses.
     huge_end = (address + start + nbytes) // HUGE_PAGE * HUGE_PAGE - address
-    if (
-        hasattr(mmap, "MADV_HUGEPAGE") and huge_end > boundary
-    ):  # Linux; elsewhere: pages of its own, that is all
+    # MADV_HUGEPAGE is Linux's; elsewhere the buffer simply has pages of its own.
+    if hasattr(mmap, "MADV_HUGEPAGE") and huge_end > boundary:
         try:
             pages.madvise(mmap.MADV_HUGEPAGE, boundary, huge_end - boundary)
         except OSError:  # a kernel built without transparent huge pages: 4 KiB pages, as malloc's
