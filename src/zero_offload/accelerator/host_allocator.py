@@ -124,7 +124,6 @@ def host_pages(nbytes: int, dtype, *, align: int = 64, mapping=mmap.mmap):
     buffer's last part, past its last 2 MiB boundary, stays in 4 KiB pages). Where free memory is fragmented, the
     kernel may compact it to find 2 MiB pages, or fall back to 4 KiB ones: a cost of the first touch only.
     The mapping lives as long as a tensor made on it (torch.frombuffer keeps it) and is unmapped after."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
     # Private, as malloc's pages are: a forked process gets its own copy, not a window on these.
     pages = mapping(-1, max(nbytes, 1) + HUGE_PAGE + STAGGER_SPAN, flags=mmap.MAP_PRIVATE)
     anchor = ctypes.c_char.from_buffer(pages)
@@ -141,7 +140,7 @@ def host_pages(nbytes: int, dtype, *, align: int = 64, mapping=mmap.mmap):
             pages.madvise(mmap.MADV_HUGEPAGE, boundary, huge_end - boundary)
         except OSError:  # a kernel built without transparent huge pages: 4 KiB pages, as malloc's
             pass
-    return torch.frombuffer(pages, dtype=dtype, count=nbytes // itemsize, offset=start), pages
+    return torch.frombuffer(pages, dtype=dtype, count=nbytes // dtype.itemsize, offset=start), pages
 
 
 def pageable_empty(shape, dtype) -> torch.Tensor:
